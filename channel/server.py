@@ -1,0 +1,185 @@
+"""The channel: HTTP/1.1 over one Unix socket, serving every execution (SPEC §4).
+
+Each request is authenticated first (headers only, before the body is read),
+then framed, then handed to the execution's broker. Every answer, including
+the channel's own refusals, is a JSON reply built by :class:`CallReply`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any, Final
+
+from aiohttp import web
+
+from channel.errors import Refusal
+from channel.identity import authenticate, check_origin
+from channel.routing import ExecutionDirectory, ExecutionPort
+from channel.wire import CallReply, is_valid_id, parse_call_request
+
+__all__ = ["DEFAULT_MAX_BODY", "MAX_WAIT_S", "ChannelServer"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY: Final = 1024 * 1024
+#: SPEC §4.2: the longest long-poll a guest may ask for.
+MAX_WAIT_S: Final = 60.0
+#: How long ``close()`` lets in-flight requests finish before dropping them.
+SHUTDOWN_GRACE_S: Final = 5.0
+
+
+
+def _json_response(reply: CallReply) -> web.Response:
+    return web.Response(
+        body=json.dumps(reply.to_json(), separators=(",", ":")).encode(),
+        status=reply.http_status,
+        content_type="application/json",
+    )
+
+
+def _refusal_response(refusal: Refusal, call_id: str | None = None) -> web.Response:
+    response = _json_response(CallReply.refused(call_id, refusal))
+    if refusal.code in ("payload_too_large", "bad_request"):
+        # The rest of the body may still be on the wire: do not reuse the stream.
+        response.force_close()
+    return response
+
+
+class ChannelServer:
+    """Serves the guest protocol on ``socket_path`` for every execution in ``directory``.
+
+    The socket's directory must already exist with mode 0700; the socket file
+    is made 0600 before any connection can be accepted from outside it.
+    """
+
+    def __init__(
+        self,
+        directory: ExecutionDirectory,
+        socket_path: Path,
+        *,
+        origin_check: bool = True,
+        max_body: int = DEFAULT_MAX_BODY,
+    ) -> None:
+        self._directory = directory
+        self.socket_path = socket_path
+        self._origin_check = origin_check
+        self._max_body = max_body
+        self._runner: web.AppRunner | None = None
+
+    def _app(self) -> web.Application:
+        app = web.Application(middlewares=[self._boundary], client_max_size=self._max_body)
+        app.router.add_post("/v1/calls", self._post_call)
+        app.router.add_get("/v1/calls/{call_id}", self._get_call)
+        app.router.add_get("/v1/plan", self._get_plan)
+        return app
+
+    async def start(self) -> None:
+        """Bind the socket and start serving."""
+        parent = self.socket_path.parent
+        mode = stat.S_IMODE(parent.stat().st_mode)
+        if mode & 0o077:
+            raise RuntimeError(f"socket directory {parent} must be mode 0700, is {mode:04o}")
+        self.socket_path.unlink(missing_ok=True)
+        runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.UnixSite(runner, str(self.socket_path), shutdown_timeout=SHUTDOWN_GRACE_S)
+        await site.start()
+        # The directory is 0700, so nobody else could connect in between.
+        os.chmod(self.socket_path, 0o600)
+        self._runner = runner
+
+    async def close(self) -> None:
+        """Stop accepting, let in-flight requests finish (bounded), remove the socket."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        self.socket_path.unlink(missing_ok=True)
+
+    # -- request handling -------------------------------------------------
+
+    @web.middleware
+    async def _boundary(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Turn every failure into the protocol's JSON answer."""
+        try:
+            response: web.StreamResponse = await handler(request)
+        except Refusal as refusal:
+            return _refusal_response(refusal)
+        except web.HTTPException as exc:
+            code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
+                exc.status, "bad_request"
+            )
+            return _refusal_response(Refusal(code, exc.reason))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Boundary: a bug must not take the server down or leak a traceback.
+            logger.exception("internal error serving %s %s", request.method, request.path)
+            return web.json_response(
+                {
+                    "status": "error",
+                    "call_id": None,
+                    "effect": "unknown",
+                    "error": {"code": "internal_error", "message": "internal error"},
+                },
+                status=500,
+            )
+        return response
+
+    def _identify(self, request: web.Request) -> ExecutionPort:
+        execution = authenticate(request.headers, self._directory)
+        if self._origin_check:
+            assert request.transport is not None
+            check_origin(request.transport.get_extra_info("socket"), execution)
+        return execution
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        if request.content_type != "application/json":
+            raise Refusal("unsupported_media_type", "Content-Type must be application/json")
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            raise Refusal("payload_too_large", f"body is over {self._max_body} bytes")
+        body = bytearray()
+        async for chunk in request.content.iter_any():
+            body += chunk
+            if len(body) > self._max_body:
+                raise Refusal("payload_too_large", f"body is over {self._max_body} bytes")
+        return bytes(body)
+
+    async def _post_call(self, request: web.Request) -> web.StreamResponse:
+        execution = self._identify(request)
+        call = parse_call_request(await self._read_body(request))
+        reply = await execution.broker.call(call.call_id, call.tool, call.args)
+        return _json_response(reply)
+
+    async def _get_call(self, request: web.Request) -> web.StreamResponse:
+        execution = self._identify(request)
+        call_id = request.match_info["call_id"]
+        if not is_valid_id(call_id):
+            raise Refusal("bad_request", "call_id must be 1-128 characters of [A-Za-z0-9._:-]")
+        wait_s = _parse_wait(request.query.get("wait"))
+        return _json_response(await execution.broker.status(call_id, wait_s))
+
+    async def _get_plan(self, request: web.Request) -> web.StreamResponse:
+        execution = self._identify(request)
+        body = await execution.broker.plan_view()
+        return web.Response(
+            body=json.dumps(body, separators=(",", ":")).encode(),
+            content_type="application/json",
+        )
+
+
+def _parse_wait(raw: str | None) -> float:
+    if raw is None:
+        return 0.0
+    try:
+        wait_s = float(raw)
+    except ValueError:
+        raise Refusal("bad_request", "wait must be a number of seconds from 0 to 60") from None
+    if not 0.0 <= wait_s <= MAX_WAIT_S:  # also refuses NaN
+        raise Refusal("bad_request", "wait must be a number of seconds from 0 to 60")
+    return wait_s

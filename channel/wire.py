@@ -1,0 +1,203 @@
+"""Wire models: the request body a guest sends and the reply it gets (SPEC §4).
+
+Untrusted bytes become typed data here, and only here: strict JSON first
+(duplicate keys and NaN/Infinity refused at any depth), then a pydantic model
+that refuses unknown top-level fields.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
+
+from channel.errors import Refusal, http_status_for
+
+__all__ = [
+    "CALL_ID_PATTERN",
+    "CallReply",
+    "CallRequest",
+    "Effect",
+    "ReplyStatus",
+    "is_valid_id",
+    "parse_call_request",
+    "parse_strict_json",
+]
+
+#: SPEC §4.2: call ids and every id the CLI accepts.
+CALL_ID_PATTERN: Final = r"^[A-Za-z0-9._:-]{1,128}$"
+_ID_RE: Final = re.compile(CALL_ID_PATTERN)
+
+Effect = Literal["executed", "replayed", "none", "unknown", "failed"]
+ReplyStatus = Literal["ok", "ambiguous", "refused", "error", "awaiting_approval"]
+
+
+def is_valid_id(value: str) -> bool:
+    """Whether ``value`` is a well-formed call, invocation or execution id."""
+    return _ID_RE.fullmatch(value) is not None
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_strict_json(raw: bytes) -> Any:
+    """Parse RFC 8259 JSON, refusing duplicate keys and NaN/Infinity.
+
+    Raises:
+        Refusal: ``bad_request`` when the bytes are not strict JSON.
+    """
+    try:
+        text = raw.decode("utf-8")
+        return json.loads(
+            text, object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise Refusal("bad_request", f"body is not valid JSON: {exc}") from None
+
+
+class CallRequest(BaseModel):
+    """Body of ``POST /v1/calls``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    call_id: StrictStr
+    tool: StrictStr
+    args: dict[str, Any]
+
+
+def parse_call_request(raw: bytes) -> CallRequest:
+    """Turn a request body into a :class:`CallRequest`.
+
+    Raises:
+        Refusal: ``bad_request`` for bad JSON, unknown or missing fields, a
+            non-object ``args`` or a malformed ``call_id``.
+    """
+    data = parse_strict_json(raw)
+    if not isinstance(data, dict):
+        raise Refusal("bad_request", "body must be a JSON object")
+    try:
+        # strict=True: "args" must already be an object, no coercion of ids.
+        request = CallRequest.model_validate(data, strict=True)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}"
+            for err in exc.errors(include_url=False)
+        )
+        raise Refusal("bad_request", f"malformed call: {problems}") from None
+    if not is_valid_id(request.call_id):
+        raise Refusal("bad_request", "call_id must be 1-128 characters of [A-Za-z0-9._:-]")
+    return request
+
+
+@dataclass(frozen=True, slots=True)
+class CallReply:
+    """What a guest gets back for one request; maps 1:1 to the JSON body."""
+
+    status: ReplyStatus
+    call_id: str | None
+    effect: Effect
+    tool: str | None = None
+    result: Any = None
+    idempotency_key: str | None = None
+    receipt_id: str | None = None
+    reason: str | None = None
+    error: Mapping[str, Any] | None = None
+
+    @classmethod
+    def refused(
+        cls,
+        call_id: str | None,
+        refusal: Refusal,
+        *,
+        tool: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> CallReply:
+        """The reply for a refusal: nothing ran for this request."""
+        error: dict[str, Any] = {"code": refusal.code, "message": refusal.message}
+        if refusal.details is not None:
+            error["details"] = refusal.details
+        return cls(
+            status="refused",
+            call_id=call_id,
+            effect="none",
+            tool=tool,
+            idempotency_key=idempotency_key,
+            error=error,
+        )
+
+    @classmethod
+    def ambiguous(
+        cls, call_id: str, tool: str, reason: Literal["in_flight", "unknown"], key: str
+    ) -> CallReply:
+        """The reply for a call whose effect may have happened."""
+        return cls(
+            status="ambiguous",
+            call_id=call_id,
+            effect="unknown",
+            tool=tool,
+            reason=reason,
+            idempotency_key=key,
+        )
+
+    @property
+    def http_status(self) -> int:
+        """The HTTP status this reply is sent with (SPEC §4.3)."""
+        if self.status == "ok":
+            return 200
+        if self.status == "ambiguous":
+            return 409
+        if self.status == "awaiting_approval":
+            return 202
+        assert self.error is not None
+        return http_status_for(str(self.error["code"]))
+
+    def as_replayed(self) -> CallReply:
+        """The same stored reply, marked as replayed (nothing ran now)."""
+        return replace(self, effect="replayed")
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON body. ``result`` appears on ``ok`` only, ``error`` on failures."""
+        body: dict[str, Any] = {"status": self.status, "call_id": self.call_id}
+        if self.tool is not None:
+            body["tool"] = self.tool
+        body["effect"] = self.effect
+        if self.status == "ok":
+            body["result"] = self.result
+        if self.reason is not None:
+            body["reason"] = self.reason
+        if self.error is not None:
+            body["error"] = dict(self.error)
+        if self.idempotency_key is not None:
+            body["idempotency_key"] = self.idempotency_key
+        if self.receipt_id is not None:
+            body["receipt_id"] = self.receipt_id
+        return body
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> CallReply:
+        """Rebuild a reply from :meth:`to_json` output (a stored response)."""
+        return cls(
+            status=body["status"],
+            call_id=body.get("call_id"),
+            effect=body["effect"],
+            tool=body.get("tool"),
+            result=body.get("result"),
+            idempotency_key=body.get("idempotency_key"),
+            receipt_id=body.get("receipt_id"),
+            reason=body.get("reason"),
+            error=body.get("error"),
+        )

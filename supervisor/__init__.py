@@ -1,0 +1,41 @@
+"""hostcall's host side: plans, brokers, stores, receipts and guest processes."""
+
+from __future__ import annotations
+
+from supervisor.approvals import ApprovalGate, ApproveAll, ProposalRequest
+from supervisor.errors import (
+    EffectOutcomeUnknown,
+    HostcallError,
+    InvocationMismatch,
+    PlanError,
+    Refusal,
+    StateDirBusy,
+    StoreUnavailable,
+)
+from supervisor.plan import BudgetLimits, Plan
+from supervisor.stores import EffectStore, MemoryEffectStore, SQLiteEffectStore
+from supervisor.supervisor import ExecutionOutcome, RunOutcome, Supervisor
+from supervisor.tools import Tool, tool
+
+__all__ = [
+    "ApprovalGate",
+    "ApproveAll",
+    "BudgetLimits",
+    "EffectOutcomeUnknown",
+    "EffectStore",
+    "ExecutionOutcome",
+    "HostcallError",
+    "InvocationMismatch",
+    "MemoryEffectStore",
+    "Plan",
+    "PlanError",
+    "ProposalRequest",
+    "Refusal",
+    "RunOutcome",
+    "SQLiteEffectStore",
+    "StateDirBusy",
+    "StoreUnavailable",
+    "Supervisor",
+    "Tool",
+    "tool",
+]

@@ -1,0 +1,452 @@
+"""The broker: one per execution, every call of that execution goes through it.
+
+The pipeline of SPEC §5, in its order: plan lookup, canonicalize, replay
+check, target args, budget, approval, BeginDispatch, handler, result and
+receipt. Decisions are made by pure functions (:func:`decide_replay`,
+:func:`budget_allows`); this module loads, decides, persists and acts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator, Set
+from concurrent.futures import Executor
+from dataclasses import dataclass, field, replace
+from typing import Any, Final
+
+from pydantic import BaseModel, ValidationError
+
+from channel.wire import CallReply
+from supervisor.approvals import ApprovalGate, ApprovalTicket, ProposalRequest
+from supervisor.canonical import idempotency_key, jcs
+from supervisor.errors import Refusal, StoreUnavailable
+from supervisor.plan import Plan
+from supervisor.receipts import ReceiptLog
+from supervisor.replay import Replay, decide_replay
+from supervisor.stores.base import EffectRecord, EffectStatus, EffectStore, StartCall
+from supervisor.tools import Tool
+
+__all__ = ["Broker"]
+
+logger = logging.getLogger(__name__)
+
+#: How often a long-poll re-reads a pending record that another process owns.
+POLL_INTERVAL_S: Final = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    call_id: str
+    tool: Tool
+    model: BaseModel
+    args: dict[str, Any]
+    key: str
+    started_at: float
+
+
+@dataclass(eq=False, slots=True)
+class _Admission:
+    """A call between the replay check and BeginDispatch; retries join it."""
+
+    tool: str
+    key: str
+    settled: asyncio.Future[CallReply | None]  # None: it crossed BeginDispatch
+    awaiting_approval: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Outcome:
+    """What the pipeline decided, before the receipt is written."""
+
+    reply: CallReply
+    receipt_outcome: str
+    result: Any = None
+    has_result: bool = False
+    approval_id: str | None = None
+
+
+@dataclass(eq=False)
+class Broker:
+    """Admits, approves, dispatches and records every call of one execution."""
+
+    plan: Plan
+    invocation_id: str
+    execution_id: str
+    store: EffectStore
+    approvals: ApprovalGate
+    receipts: ReceiptLog
+    is_live: Callable[[], bool]
+    revoked: Set[str] = frozenset()
+    deadline_at: float | None = None
+    executor: Executor | None = None
+    clock: Callable[[], float] = time.time
+    #: Calls of this execution by receipt outcome (executed, replayed, …).
+    outcomes: Counter[str] = field(default_factory=Counter)
+    _admissions: dict[str, _Admission] = field(default_factory=dict)
+    _dispatched: dict[str, asyncio.Task[_Outcome]] = field(default_factory=dict)
+
+    # -- the channel's port -------------------------------------------------
+
+    async def call(self, call_id: str, tool: str, args: dict[str, Any]) -> CallReply:
+        """Run one call through the pipeline and return its reply."""
+        started_at = self.clock()
+        resolved: Tool | None = None
+        key: str | None = None
+        try:
+            resolved = self._lookup(tool)
+            model, canonical = resolved.canonicalize(args)
+            key = idempotency_key(resolved.name, canonical)
+            outcome = await self._run(_Call(call_id, resolved, model, canonical, key, started_at))
+        except Refusal as refusal:
+            outcome = _Outcome(
+                CallReply.refused(call_id, refusal, tool=tool, idempotency_key=key), "refused"
+            )
+        except StoreUnavailable as exc:
+            logger.error("call %s of %s refused: %s", call_id, self.invocation_id, exc)
+            refusal = Refusal("store_unavailable", "the effect store is unavailable; nothing ran")
+            outcome = _Outcome(
+                CallReply.refused(call_id, refusal, tool=tool, idempotency_key=key), "refused"
+            )
+        self.outcomes[outcome.receipt_outcome] += 1
+        receipt_id = await self._receipt(call_id, tool, key, outcome, started_at)
+        if outcome.reply.status in ("ok", "error") and outcome.reply.effect != "failed":
+            # The reply carries this request's own receipt, replayed or not.
+            return _with_receipt(outcome.reply, receipt_id)
+        return outcome.reply
+
+    async def status(self, call_id: str, wait_s: float) -> CallReply:
+        """``GET /v1/calls/{id}``: the call's state, long-polling up to ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            admission = self._admissions.get(call_id)
+            if admission is not None:
+                if not await _wait(admission.settled, deadline):
+                    if admission.awaiting_approval:
+                        return CallReply(
+                            "awaiting_approval", call_id, "none", tool=admission.tool,
+                            idempotency_key=admission.key,
+                        )
+                    return _not_found(call_id)
+                continue
+            record = await self.store.get(self.invocation_id, call_id)
+            if record is None:
+                return _not_found(call_id)
+            if record.status is not EffectStatus.PENDING or time.monotonic() >= deadline:
+                return _reply_for_record(record)
+            task = self._dispatched.get(call_id)
+            if task is not None:
+                await _wait(task, deadline)
+            else:  # dispatched by an earlier execution or another process
+                await asyncio.sleep(min(POLL_INTERVAL_S, max(0.0, deadline - time.monotonic())))
+
+    async def plan_view(self) -> dict[str, Any]:
+        """The plan as the guest sees it, with the budget left (SPEC §4.2)."""
+        record = await self.store.get_invocation(self.invocation_id)
+        budget = self.plan.budget
+        used = record.used if record is not None else None
+        calls = used.calls if used is not None else 0
+        cost = used.cost if used is not None else 0.0
+        return {
+            "plan_hash": self.plan.plan_hash,
+            "name": self.plan.name,
+            "tools": [
+                t.describe() for name, t in sorted(self.plan.tools.items())
+                if name not in self.revoked
+            ],
+            "budget": {
+                "max_calls": budget.max_calls,
+                "calls_left": None if budget.max_calls is None else max(0, budget.max_calls - calls),
+                "max_cost": budget.max_cost,
+                "cost_left": None if budget.max_cost is None else max(0.0, budget.max_cost - cost),
+                "deadline_at": self.deadline_at,
+            },
+        }
+
+    # -- the pipeline ---------------------------------------------------------
+
+    def _lookup(self, name: str) -> Tool:
+        resolved = self.plan.tools.get(name)
+        if resolved is None or name in self.revoked:
+            raise Refusal("tool_not_allowed", f"tool {name!r} is not allowed by this plan")
+        return resolved
+
+    async def _run(self, call: _Call) -> _Outcome:
+        # A transport retry of a call that is still being admitted joins it
+        # instead of reserving budget or opening a proposal of its own.
+        while (joined := self._admissions.get(call.call_id)) is not None:
+            if (joined.tool, joined.key) != (call.tool.name, call.key):
+                raise Refusal("call_id_reused", _REUSED_MESSAGE)
+            settled = await asyncio.shield(joined.settled)
+            if settled is not None:
+                return _outcome_of(settled)
+        admission = _Admission(
+            call.tool.name, call.key, asyncio.get_running_loop().create_future()
+        )
+        self._admissions[call.call_id] = admission
+        try:
+            outcome = await self._admit(call, admission)
+        except BaseException:
+            admission.settled.set_result(None)  # joiners re-check the store
+            raise
+        finally:
+            del self._admissions[call.call_id]
+        if isinstance(outcome, _Outcome):
+            admission.settled.set_result(outcome.reply)
+            return outcome
+        admission.settled.set_result(None)
+        task = asyncio.create_task(self._dispatch(call, outcome))
+        self._dispatched[call.call_id] = task
+        task.add_done_callback(lambda _: self._dispatched.pop(call.call_id, None))
+        # Shielded: a guest that disconnects never cancels a dispatched handler.
+        return await asyncio.shield(task)
+
+    async def _admit(self, call: _Call, admission: _Admission) -> _Outcome | ApprovalTicket | None:
+        """Steps 5-9. Returns an outcome, or the ticket of a call that won BeginDispatch."""
+        record = await self.store.get(self.invocation_id, call.call_id)
+        early = self._replay_outcome(call, record)
+        if early is not None:
+            return early
+        if call.tool.reversibility == "irreversible" and call.tool.target_args and not any(
+            call.args.get(name) not in (None, "", [], {}) for name in call.tool.target_args
+        ):
+            raise Refusal(
+                "target_required",
+                f"{call.tool.name} needs one of {list(call.tool.target_args)}",
+            )
+        if self.deadline_at is not None and self.clock() >= self.deadline_at:
+            raise Refusal("budget_exhausted", "the invocation's deadline has passed")
+        limits = self.plan.budget
+        if not await self.store.reserve(
+            self.invocation_id, call.tool.name, call.tool.cost, limits
+        ):
+            raise Refusal("budget_exhausted", "the invocation's budget would be exceeded")
+        dispatched = False
+        try:
+            ticket = await self._approve(call, admission)
+            # BeginDispatch: claim the approval and check liveness in one step
+            # (no await in between), then the store's atomic insert.
+            if not self.is_live():
+                raise Refusal("cancelled", "the execution ended before the call was dispatched")
+            if ticket is not None and not ticket.claim_dispatch():
+                raise Refusal("approval_expired", "the approval lapsed before dispatch")
+            begun = await self.store.begin(
+                StartCall(
+                    self.invocation_id,
+                    call.call_id,
+                    call.tool.name,
+                    call.key,
+                    self.execution_id,
+                    call.tool.reversible,
+                ),
+                self.clock(),
+            )
+            if not begun.won:
+                # Another request (or replica) got there first: answer from its record.
+                lost = self._replay_outcome(call, begun.record)
+                assert lost is not None
+                return lost
+            dispatched = True
+            return ticket
+        finally:
+            if not dispatched:
+                await self.store.refund(self.invocation_id, call.tool.name, call.tool.cost)
+
+    def _replay_outcome(self, call: _Call, record: EffectRecord | None) -> _Outcome | None:
+        decision = decide_replay(record, call.tool.name, call.key, call.tool.reversible)
+        if decision.action is Replay.CONTINUE:
+            return None
+        if decision.action is Replay.REUSED:
+            raise Refusal("call_id_reused", _REUSED_MESSAGE)
+        assert record is not None
+        return _outcome_of(_reply_for_record(record))
+
+    async def _approve(self, call: _Call, admission: _Admission) -> ApprovalTicket | None:
+        if not self.plan.needs_approval(call.tool):
+            return None
+        admission.awaiting_approval = True
+        try:
+            ticket = await self.approvals.request(
+                ProposalRequest(
+                    self.invocation_id,
+                    self.execution_id,
+                    call.call_id,
+                    call.tool.name,
+                    call.args,
+                    call.key,
+                    self.plan.approval_timeout_s,
+                )
+            )
+        finally:
+            admission.awaiting_approval = False
+        if ticket.decision == "rejected":
+            raise Refusal("approval_rejected", "an operator rejected this call")
+        if ticket.decision == "expired":
+            raise Refusal("approval_expired", "no decision was made before the approval lapsed")
+        if ticket.decision == "cancelled":
+            raise Refusal("cancelled", "the call was cancelled before dispatch")
+        return ticket
+
+    async def _dispatch(self, call: _Call, ticket: ApprovalTicket | None) -> _Outcome:
+        """Steps 10-11: run the handler once, then record what happened."""
+        approval_id = ticket.approval_id if ticket is not None else None
+        tool = call.tool
+        try:
+            async with asyncio.timeout(tool.timeout_s):
+                raw = await self._invoke(tool, call.model)
+        except asyncio.CancelledError:
+            # The supervisor is shutting down mid-handler: the outcome is in doubt.
+            await self._settle(self.store.mark_unknown(self.invocation_id, call.call_id, self.clock()))
+            raise
+        except (*tool.ambiguous_errors, TimeoutError) as exc:
+            logger.info("call %s: outcome unknown (%s)", call.call_id, type(exc).__name__)
+            await self._settle(self.store.mark_unknown(self.invocation_id, call.call_id, self.clock()))
+            reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
+            return _Outcome(reply, "unknown", approval_id=approval_id)
+        except Exception as exc:  # boundary: any other handler error leaves no effect
+            await self._settle(self.store.release(self.invocation_id, call.call_id))
+            reply = CallReply(
+                "error", call.call_id, "failed", tool=tool.name, idempotency_key=call.key,
+                error={"code": "tool_error", "type": type(exc).__name__, "message": str(exc)},
+            )
+            return _Outcome(reply, "failed", approval_id=approval_id)
+        result, problem = _checked_result(tool, raw)
+        if problem is None:
+            reply = CallReply(
+                "ok", call.call_id, "executed", tool=tool.name, result=result,
+                idempotency_key=call.key,
+            )
+            outcome = _Outcome(reply, "executed", result, True, approval_id)
+        else:
+            reply = CallReply(
+                "error", call.call_id, "executed", tool=tool.name, idempotency_key=call.key,
+                error={"code": "result_invalid", "message": problem},
+            )
+            outcome = _Outcome(reply, "result_invalid", approval_id=approval_id)
+        try:
+            await self.store.commit(
+                self.invocation_id, call.call_id, reply.to_json(), self.clock()
+            )
+        except StoreUnavailable as exc:
+            # It ran, but we could not record it: the row stays pending and
+            # becomes unknown at the next start. Never claim it did not run.
+            logger.error("call %s ran but could not be committed: %s", call.call_id, exc)
+            reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
+            return _Outcome(reply, "unknown", approval_id=approval_id)
+        return outcome
+
+    async def _invoke(self, tool: Tool, model: BaseModel) -> Any:
+        args, kwargs = tool.bind(model)
+        handler = tool.handler
+        if inspect.iscoroutinefunction(handler) or inspect.isasyncgenfunction(handler):
+            return await _consume_async(handler(*args, **kwargs))
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self.executor, _call_sync, handler, args, kwargs)
+        if inspect.isawaitable(result) or inspect.isasyncgen(result):
+            return await _consume_async(result)
+        return result
+
+    async def _settle(self, write: Any) -> None:
+        try:
+            await write
+        except StoreUnavailable as exc:
+            # The row stays pending and becomes unknown at the next start.
+            logger.error("cannot record a call's outcome: %s", exc)
+
+    async def _receipt(
+        self,
+        call_id: str,
+        tool: str,
+        key: str | None,
+        outcome: _Outcome,
+        started_at: float,
+    ) -> str:
+        error = outcome.reply.error
+        return await self.receipts.append(
+            invocation_id=self.invocation_id,
+            execution_id=self.execution_id,
+            plan_hash=self.plan.plan_hash,
+            call_id=call_id,
+            tool=tool,
+            idempotency_key=key,
+            outcome=outcome.receipt_outcome,
+            error_code=str(error["code"]) if error is not None else outcome.reply.reason,
+            result=outcome.result,
+            has_result=outcome.has_result,
+            approval_id=outcome.approval_id,
+            started_at=started_at,
+            finished_at=self.clock(),
+        )
+
+
+_REUSED_MESSAGE: Final = "this call_id was used before with another tool or other arguments"
+
+
+def _call_sync(handler: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = handler(*args, **kwargs)
+    if isinstance(result, Iterator) and not isinstance(result, (str, bytes)):
+        return list(result)  # a lazy result is consumed inside the dispatch
+    return result
+
+
+async def _consume_async(result: Any) -> Any:
+    if isinstance(result, AsyncIterator):
+        return [item async for item in result]
+    if inspect.isawaitable(result):
+        result = await result
+    if isinstance(result, Iterator) and not isinstance(result, (str, bytes)):
+        return list(result)
+    return result
+
+
+def _checked_result(tool: Tool, raw: Any) -> tuple[Any, str | None]:
+    """The JSON result, or the reason it is invalid (SPEC §4.3 ``result_invalid``)."""
+    result = raw
+    if tool.output_adapter is not None:
+        try:
+            result = tool.output_adapter.dump_python(
+                tool.output_adapter.validate_python(raw), mode="json"
+            )
+        except (ValidationError, ValueError, TypeError) as exc:
+            return None, f"the result does not match {tool.name}'s output schema: {exc}"
+    try:
+        jcs(result)
+    except ValueError as exc:
+        return None, f"the result is not JSON: {exc}"
+    return result, None
+
+
+def _reply_for_record(record: EffectRecord) -> CallReply:
+    if record.status is EffectStatus.COMMITTED:
+        assert record.response is not None
+        return CallReply.from_json(record.response).as_replayed()
+    reason = "in_flight" if record.status is EffectStatus.PENDING else "unknown"
+    return CallReply.ambiguous(record.call_id, record.tool, reason, record.idempotency_key)
+
+
+def _outcome_of(reply: CallReply) -> _Outcome:
+    """The outcome of a request answered without running anything now."""
+    if reply.effect == "replayed":
+        return _Outcome(reply, "replayed", reply.result, reply.status == "ok")
+    if reply.status == "ambiguous":
+        return _Outcome(reply, "unknown")
+    return _Outcome(reply, "refused")
+
+
+def _not_found(call_id: str) -> CallReply:
+    return CallReply.refused(call_id, Refusal("not_found", "no call with this call_id"))
+
+
+def _with_receipt(reply: CallReply, receipt_id: str) -> CallReply:
+    return replace(reply, receipt_id=receipt_id)
+
+
+async def _wait(future: asyncio.Future[Any], deadline: float) -> bool:
+    """Wait for ``future`` until ``deadline`` (monotonic); whether it is done."""
+    remaining = deadline - time.monotonic()
+    if remaining > 0 and not future.done():
+        await asyncio.wait([future], timeout=remaining)
+    return future.done()

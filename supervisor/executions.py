@@ -1,0 +1,62 @@
+"""Executions as the channel sees them, and the table it looks them up in."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from supervisor.broker import Broker
+
+__all__ = ["Execution", "ExecutionState", "ExecutionTable"]
+
+
+class ExecutionState(enum.StrEnum):
+    """Lifecycle of one attempt. Only ``starting`` and ``running`` are live."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    ENDED = "ended"
+    CANCELLED = "cancelled"
+    FENCED = "fenced"
+
+
+@dataclass(eq=False)
+class Execution:
+    """One launch of a guest: its identity facts, its broker and its state."""
+
+    execution_id: str
+    invocation_id: str
+    plan_hash: str
+    credential_sha256: bytes
+    broker: Broker
+    guest_pid: int | None = None
+    state: ExecutionState = ExecutionState.STARTING
+
+    @property
+    def live(self) -> bool:
+        """Whether its credential still opens the door."""
+        return self.state in (ExecutionState.STARTING, ExecutionState.RUNNING)
+
+    def end(self, state: ExecutionState = ExecutionState.ENDED) -> None:
+        """Stop accepting calls; the first reason to end it is kept."""
+        if self.live:
+            self.state = state
+
+
+class ExecutionTable:
+    """Every execution of one supervisor, by id (ended ones stay, fenced)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Execution] = {}
+
+    def add(self, execution: Execution) -> None:
+        """Register a new execution."""
+        self._by_id[execution.execution_id] = execution
+
+    def lookup(self, execution_id: str) -> Execution | None:
+        """The execution with this id, live or not."""
+        return self._by_id.get(execution_id)
+
+    def of_invocation(self, invocation_id: str) -> list[Execution]:
+        """Executions of one invocation, oldest first."""
+        return [e for e in self._by_id.values() if e.invocation_id == invocation_id]

@@ -1,0 +1,179 @@
+"""Plans: the sealed set of tools and limits one invocation runs under (SPEC §10)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from supervisor.canonical import jcs, sha256_hex
+from supervisor.errors import PlanError
+from supervisor.tools import Tool, ToolOptions
+
+__all__ = ["BudgetLimits", "Plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetLimits:
+    """An invocation's budget (SPEC §5.7); ``None`` means no limit."""
+
+    max_calls: int | None = None
+    max_cost: float | None = None
+    deadline_s: float | None = None
+    tool_max_calls: Mapping[str, int] | None = None
+
+
+class _ToolSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    handler: str
+    description: str | None = None
+    reversibility: Literal["reversible", "costly", "irreversible"] | None = None
+    approval: Literal["never", "always"] | None = None
+    cost: float | None = Field(default=None, ge=0)
+    timeout_s: float | None = Field(default=None, gt=0)
+    target_args: list[str] | None = None
+    max_calls: int | None = Field(default=None, ge=0)
+
+
+class _PlanSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "plan"
+    max_calls: int | None = Field(default=None, ge=0)
+    max_cost: float | None = Field(default=None, ge=0)
+    deadline_s: float | None = Field(default=None, gt=0)
+    approval_timeout_s: float = Field(default=300.0, gt=0)
+    require_approval_for_irreversible: bool = False
+
+
+class _PlanFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    plan: _PlanSection = _PlanSection()
+    tools: dict[str, _ToolSection] = {}
+
+
+def _import_handler(path: str, folder: Path) -> Callable[..., Any]:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise PlanError(f"handler {path!r} must be 'module:attribute'")
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise PlanError(f"cannot import handler {path!r}: {exc}") from exc
+    if not callable(target):
+        raise PlanError(f"handler {path!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+class Plan:
+    """The tools an invocation may call, its budget and approval settings.
+
+    Sealed on construction: its :attr:`plan_hash` covers everything that
+    decides how a call is admitted.
+    """
+
+    def __init__(
+        self,
+        tools: Iterable[Callable[..., Any] | Tool],
+        *,
+        name: str = "plan",
+        max_calls: int | None = None,
+        max_cost: float | None = None,
+        deadline_s: float | None = None,
+        approval_timeout_s: float = 300.0,
+        require_approval_for_irreversible: bool = False,
+    ) -> None:
+        resolved: dict[str, Tool] = {}
+        for item in tools:
+            built = item if isinstance(item, Tool) else Tool.build(item)
+            if built.name in resolved:
+                raise PlanError(f"two tools are named {built.name!r}")
+            resolved[built.name] = built
+        self.name = name
+        self.tools: Mapping[str, Tool] = resolved
+        self.approval_timeout_s = float(approval_timeout_s)
+        self.require_approval_for_irreversible = require_approval_for_irreversible
+        self.budget = BudgetLimits(
+            max_calls=max_calls,
+            max_cost=max_cost,
+            deadline_s=deadline_s,
+            tool_max_calls={t.name: t.max_calls for t in resolved.values() if t.max_calls is not None},
+        )
+        self.plan_hash = "sha256:" + sha256_hex(jcs(self.resolved()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan file; its folder goes on ``sys.path`` to import handlers.
+
+        Raises:
+            PlanError: unreadable TOML, unknown keys, handlers that do not import.
+        """
+        path = Path(path).resolve()
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise PlanError(f"cannot read plan {path}: {exc}") from exc
+        try:
+            spec = _PlanFile.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+                for err in exc.errors(include_url=False)
+            )
+            raise PlanError(f"invalid plan {path}: {problems}") from None
+        tools = []
+        for tool_name, section in spec.tools.items():
+            handler = _import_handler(section.handler, path.parent)
+            overrides = ToolOptions(
+                name=tool_name,
+                description=section.description,
+                reversibility=section.reversibility,
+                approval=section.approval,
+                cost=section.cost,
+                timeout_s=section.timeout_s,
+                target_args=tuple(section.target_args) if section.target_args is not None else None,
+                max_calls=section.max_calls,
+            )
+            tools.append(Tool.build(handler, handler_path=section.handler, overrides=overrides))
+        return cls(
+            tools,
+            name=spec.plan.name,
+            max_calls=spec.plan.max_calls,
+            max_cost=spec.plan.max_cost,
+            deadline_s=spec.plan.deadline_s,
+            approval_timeout_s=spec.plan.approval_timeout_s,
+            require_approval_for_irreversible=spec.plan.require_approval_for_irreversible,
+        )
+
+    def resolved(self) -> dict[str, Any]:
+        """The resolved plan: what ``plan_hash`` is the hash of (SPEC §10)."""
+        return {
+            "name": self.name,
+            "max_calls": self.budget.max_calls,
+            "max_cost": self.budget.max_cost,
+            "deadline_s": self.budget.deadline_s,
+            "approval_timeout_s": self.approval_timeout_s,
+            "require_approval_for_irreversible": self.require_approval_for_irreversible,
+            "tools": {name: t.resolved() for name, t in sorted(self.tools.items())},
+        }
+
+    def needs_approval(self, tool: Tool) -> bool:
+        """Whether a call of ``tool`` waits for a decision before dispatch."""
+        if tool.approval == "always":
+            return True
+        return self.require_approval_for_irreversible and tool.reversibility == "irreversible"
+
+    def __repr__(self) -> str:
+        return f"Plan(name={self.name!r}, tools={sorted(self.tools)}, plan_hash={self.plan_hash!r})"

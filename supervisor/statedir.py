@@ -1,0 +1,80 @@
+"""The state dir: its lock, its layout and where its sockets live (SPEC §6, §9)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Final
+
+from supervisor.errors import StateDirBusy
+
+__all__ = ["StateDir"]
+
+#: ``sun_path`` holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH: Final = 107
+
+
+class StateDir:
+    """A supervisor's state directory, held under an exclusive lock while open."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path).absolute()
+        self._lock_fd: int | None = None
+        self._private_run_dir: Path | None = None
+        self.run_dir = self.path / "run"
+
+    @property
+    def receipts_dir(self) -> Path:
+        """Where receipt files live, one per invocation."""
+        return self.path / "receipts"
+
+    def acquire(self) -> None:
+        """Create the layout and take the lock.
+
+        Raises:
+            StateDirBusy: another running supervisor holds it.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StateDirBusy(
+                f"state dir {self.path} is in use by a running supervisor (pid {holder}); "
+                "use another --state-dir, or launch guests on it with `hostcall serve`"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        self.receipts_dir.mkdir(exist_ok=True)
+        self.run_dir = self._socket_dir()
+
+    def _socket_dir(self) -> Path:
+        preferred = self.path / "run"
+        if len(os.fsencode(preferred / "channel.sock")) <= MAX_SOCKET_PATH:
+            preferred.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(preferred, 0o700)
+            return preferred
+        # Too long for sun_path: a private short directory instead (SPEC §3).
+        base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+        if len(base) > 60:
+            base = "/tmp"
+        self._private_run_dir = Path(tempfile.mkdtemp(prefix="hostcall-", dir=base))
+        return self._private_run_dir
+
+    def release(self) -> None:
+        """Drop the lock and any private socket directory."""
+        if self._private_run_dir is not None:
+            shutil.rmtree(self._private_run_dir, ignore_errors=True)
+            self._private_run_dir = None
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)

@@ -1,0 +1,177 @@
+"""The effect store interface (SPEC §6) and the records it keeps.
+
+At-most-once rests on one primitive, :meth:`EffectStore.begin`: insert a
+``pending`` record if there is none, atomically with respect to every other
+caller, in every process that shares the store.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from supervisor.plan import BudgetLimits
+
+__all__ = [
+    "Begun",
+    "BudgetUse",
+    "EffectRecord",
+    "EffectStatus",
+    "EffectStore",
+    "InvocationRecord",
+    "StartCall",
+    "budget_allows",
+]
+
+
+class EffectStatus(enum.StrEnum):
+    """States of an effect record. ``failed`` calls leave no record (released)."""
+
+    PENDING = "pending"
+    COMMITTED = "committed"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class EffectRecord:
+    """The durable row for one ``(invocation_id, call_id)``."""
+
+    invocation_id: str
+    call_id: str
+    tool: str
+    idempotency_key: str
+    status: EffectStatus
+    execution_id: str
+    response: Mapping[str, Any] | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class StartCall:
+    """What :meth:`EffectStore.begin` is asked to record."""
+
+    invocation_id: str
+    call_id: str
+    tool: str
+    idempotency_key: str
+    execution_id: str
+    reversible: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Begun:
+    """The result of ``begin``: whether this caller won, and the record as it is now."""
+
+    won: bool
+    record: EffectRecord
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetUse:
+    """What an invocation has used so far, over all its executions."""
+
+    calls: int = 0
+    cost: float = 0.0
+    tool_calls: Mapping[str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InvocationRecord:
+    """An invocation: its plan, when its deadline passes and its budget use."""
+
+    invocation_id: str
+    plan_hash: str
+    created_at: float
+    deadline_at: float | None
+    used: BudgetUse
+
+
+def budget_allows(limits: BudgetLimits, used: BudgetUse, tool: str, cost: float) -> bool:
+    """Whether one more call of ``tool`` costing ``cost`` fits the budget."""
+    if limits.max_calls is not None and used.calls + 1 > limits.max_calls:
+        return False
+    if limits.max_cost is not None and used.cost + cost > limits.max_cost:
+        return False
+    tool_limit = (limits.tool_max_calls or {}).get(tool)
+    tool_used = (used.tool_calls or {}).get(tool, 0)
+    return tool_limit is None or tool_used + 1 <= tool_limit
+
+
+class EffectStore(Protocol):
+    """Durable effect records and invocation budgets.
+
+    Contract, for every implementation:
+
+    - :meth:`begin` is atomic across every caller sharing the store (threads,
+      tasks, processes, hosts): of concurrent callers for one key exactly one
+      gets ``won=True``. It inserts a ``pending`` record, or for a reversible
+      tool turns an ``unknown`` record back into ``pending``; otherwise it
+      returns the existing record unchanged. The ``pending`` row is durable
+      when ``begin`` returns.
+    - :meth:`reserve` checks and takes budget atomically: concurrent calls
+      cannot overspend.
+    - :meth:`open` turns the ``pending`` rows this store's owner left behind
+      into ``unknown`` (a crash leaves doubt, never a duplicate).
+    - Driver errors surface as :class:`~supervisor.errors.StoreUnavailable`.
+    """
+
+    async def open(self) -> int:
+        """Prepare the store; returns how many pending rows became unknown."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and threads. Idempotent."""
+        ...
+
+    async def open_invocation(
+        self, invocation_id: str, plan_hash: str, deadline_at: float | None, now: float
+    ) -> tuple[InvocationRecord, bool]:
+        """Create the invocation or return the existing one; the flag says "created"."""
+        ...
+
+    async def get_invocation(self, invocation_id: str) -> InvocationRecord | None:
+        """The invocation, or ``None``."""
+        ...
+
+    async def list_invocations(self) -> list[InvocationRecord]:
+        """Every invocation, oldest first."""
+        ...
+
+    async def reserve(
+        self, invocation_id: str, tool: str, cost: float, limits: BudgetLimits
+    ) -> bool:
+        """Take one call of ``tool`` and ``cost`` from the budget if it fits."""
+        ...
+
+    async def refund(self, invocation_id: str, tool: str, cost: float) -> None:
+        """Give back a reservation whose call did not reach dispatch."""
+        ...
+
+    async def get(self, invocation_id: str, call_id: str) -> EffectRecord | None:
+        """The effect record, or ``None``."""
+        ...
+
+    async def begin(self, start: StartCall, now: float) -> Begun:
+        """The insert-if-absent primitive (see the class docstring)."""
+        ...
+
+    async def commit(
+        self, invocation_id: str, call_id: str, response: Mapping[str, Any], now: float
+    ) -> None:
+        """Turn a ``pending`` record ``committed`` with the response to replay."""
+        ...
+
+    async def mark_unknown(self, invocation_id: str, call_id: str, now: float) -> None:
+        """Record that a ``pending`` call's outcome is in doubt."""
+        ...
+
+    async def release(self, invocation_id: str, call_id: str) -> None:
+        """Delete a ``pending`` record after a failure that left no effect."""
+        ...
+
+    async def calls(self, invocation_id: str) -> list[EffectRecord]:
+        """Every effect record of an invocation, oldest first."""
+        ...

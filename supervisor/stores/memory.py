@@ -1,0 +1,150 @@
+"""An effect store in memory: for tests and throwaway runs. Nothing survives."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from supervisor.plan import BudgetLimits
+from supervisor.stores.base import (
+    Begun,
+    BudgetUse,
+    EffectRecord,
+    EffectStatus,
+    InvocationRecord,
+    StartCall,
+    budget_allows,
+)
+
+__all__ = ["MemoryEffectStore"]
+
+
+class MemoryEffectStore:
+    """:class:`~supervisor.stores.base.EffectStore` in dicts, atomic by one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[tuple[str, str], EffectRecord] = {}
+        self._invocations: dict[str, InvocationRecord] = {}
+
+    async def open(self) -> int:
+        with self._lock:
+            pending = [k for k, r in self._records.items() if r.status is EffectStatus.PENDING]
+            for key in pending:
+                self._records[key] = replace(self._records[key], status=EffectStatus.UNKNOWN)
+            return len(pending)
+
+    async def close(self) -> None:
+        return None
+
+    async def open_invocation(
+        self, invocation_id: str, plan_hash: str, deadline_at: float | None, now: float
+    ) -> tuple[InvocationRecord, bool]:
+        with self._lock:
+            existing = self._invocations.get(invocation_id)
+            if existing is not None:
+                return existing, False
+            record = InvocationRecord(invocation_id, plan_hash, now, deadline_at, BudgetUse())
+            self._invocations[invocation_id] = record
+            return record, True
+
+    async def get_invocation(self, invocation_id: str) -> InvocationRecord | None:
+        with self._lock:
+            return self._invocations.get(invocation_id)
+
+    async def list_invocations(self) -> list[InvocationRecord]:
+        with self._lock:
+            return sorted(self._invocations.values(), key=lambda r: r.created_at)
+
+    def _use(self, invocation_id: str, tool: str, calls: int, cost: float) -> None:
+        record = self._invocations[invocation_id]
+        tool_calls = dict(record.used.tool_calls or {})
+        tool_calls[tool] = tool_calls.get(tool, 0) + calls
+        used = BudgetUse(record.used.calls + calls, record.used.cost + cost, tool_calls)
+        self._invocations[invocation_id] = replace(record, used=used)
+
+    async def reserve(
+        self, invocation_id: str, tool: str, cost: float, limits: BudgetLimits
+    ) -> bool:
+        with self._lock:
+            if not budget_allows(limits, self._invocations[invocation_id].used, tool, cost):
+                return False
+            self._use(invocation_id, tool, 1, cost)
+            return True
+
+    async def refund(self, invocation_id: str, tool: str, cost: float) -> None:
+        with self._lock:
+            self._use(invocation_id, tool, -1, -cost)
+
+    async def get(self, invocation_id: str, call_id: str) -> EffectRecord | None:
+        with self._lock:
+            return self._records.get((invocation_id, call_id))
+
+    async def begin(self, start: StartCall, now: float) -> Begun:
+        key = (start.invocation_id, start.call_id)
+        with self._lock:
+            existing = self._records.get(key)
+            if existing is None:
+                record = EffectRecord(
+                    start.invocation_id,
+                    start.call_id,
+                    start.tool,
+                    start.idempotency_key,
+                    EffectStatus.PENDING,
+                    start.execution_id,
+                    None,
+                    now,
+                    now,
+                )
+                self._records[key] = record
+                return Begun(True, record)
+            if (
+                start.reversible
+                and existing.status is EffectStatus.UNKNOWN
+                and existing.tool == start.tool
+                and existing.idempotency_key == start.idempotency_key
+            ):
+                record = replace(
+                    existing,
+                    status=EffectStatus.PENDING,
+                    execution_id=start.execution_id,
+                    updated_at=now,
+                )
+                self._records[key] = record
+                return Begun(True, record)
+            return Begun(False, existing)
+
+    def _update_pending(self, key: tuple[str, str], **changes: Any) -> None:
+        record = self._records.get(key)
+        if record is not None and record.status is EffectStatus.PENDING:
+            self._records[key] = replace(record, **changes)
+
+    async def commit(
+        self, invocation_id: str, call_id: str, response: Mapping[str, Any], now: float
+    ) -> None:
+        with self._lock:
+            self._update_pending(
+                (invocation_id, call_id),
+                status=EffectStatus.COMMITTED,
+                response=dict(response),
+                updated_at=now,
+            )
+
+    async def mark_unknown(self, invocation_id: str, call_id: str, now: float) -> None:
+        with self._lock:
+            self._update_pending(
+                (invocation_id, call_id), status=EffectStatus.UNKNOWN, updated_at=now
+            )
+
+    async def release(self, invocation_id: str, call_id: str) -> None:
+        with self._lock:
+            record = self._records.get((invocation_id, call_id))
+            if record is not None and record.status is EffectStatus.PENDING:
+                del self._records[(invocation_id, call_id)]
+
+    async def calls(self, invocation_id: str) -> list[EffectRecord]:
+        with self._lock:
+            found = [r for r in self._records.values() if r.invocation_id == invocation_id]
+        return sorted(found, key=lambda r: r.created_at)

@@ -1,0 +1,392 @@
+"""The default effect store: one SQLite database in WAL mode (SPEC §6).
+
+All statements run on one writer thread that owns the connection. Operations
+queued while a transaction is being written share the next one (group
+commit): each runs inside its own SAVEPOINT, so one failing operation does not
+undo its neighbours, and the batch costs one fsync. ``synchronous=FULL``: when
+``begin`` returns, its ``pending`` row is on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+from supervisor.errors import StoreUnavailable
+from supervisor.plan import BudgetLimits
+from supervisor.stores.base import (
+    Begun,
+    BudgetUse,
+    EffectRecord,
+    EffectStatus,
+    InvocationRecord,
+    StartCall,
+    budget_allows,
+)
+
+__all__ = ["SCHEMA_VERSION", "SQLiteEffectStore"]
+
+T = TypeVar("T")
+
+SCHEMA_VERSION: Final = 1
+#: Most operations one transaction takes; the rest wait for the next one.
+MAX_BATCH: Final = 256
+#: How long SQLite waits for a lock held by a reader (e.g. ``hostcall calls``).
+BUSY_TIMEOUT_MS: Final = 5000
+
+_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS invocations (
+    invocation_id TEXT PRIMARY KEY,
+    plan_hash TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    deadline_at REAL,
+    calls_used INTEGER NOT NULL DEFAULT 0,
+    cost_used REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS tool_usage (
+    invocation_id TEXT NOT NULL,
+    tool TEXT NOT NULL,
+    calls_used INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (invocation_id, tool)
+);
+CREATE TABLE IF NOT EXISTS effects (
+    invocation_id TEXT NOT NULL,
+    call_id TEXT NOT NULL,
+    tool TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('pending', 'committed', 'unknown')),
+    execution_id TEXT NOT NULL,
+    response TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (invocation_id, call_id)
+);
+CREATE INDEX IF NOT EXISTS effects_by_status ON effects (status);
+"""
+
+_EFFECT_COLUMNS: Final = (
+    "invocation_id, call_id, tool, idempotency_key, status, execution_id, response,"
+    " created_at, updated_at"
+)
+
+_Op = Callable[[sqlite3.Connection], Any]
+
+
+def _effect(row: tuple[Any, ...] | None) -> EffectRecord | None:
+    if row is None:
+        return None
+    inv, call_id, tool, key, status, execution_id, response, created, updated = row
+    return EffectRecord(
+        inv,
+        call_id,
+        tool,
+        key,
+        EffectStatus(status),
+        execution_id,
+        json.loads(response) if response is not None else None,
+        created,
+        updated,
+    )
+
+
+def _get_effect(conn: sqlite3.Connection, invocation_id: str, call_id: str) -> EffectRecord | None:
+    row = conn.execute(
+        f"SELECT {_EFFECT_COLUMNS} FROM effects WHERE invocation_id = ? AND call_id = ?",
+        (invocation_id, call_id),
+    ).fetchone()
+    return _effect(row)
+
+
+def _get_invocation(conn: sqlite3.Connection, invocation_id: str) -> InvocationRecord | None:
+    row = conn.execute(
+        "SELECT invocation_id, plan_hash, created_at, deadline_at, calls_used, cost_used"
+        " FROM invocations WHERE invocation_id = ?",
+        (invocation_id,),
+    ).fetchone()
+    if row is None:
+        return None
+    tool_calls = dict(
+        conn.execute(
+            "SELECT tool, calls_used FROM tool_usage WHERE invocation_id = ?", (invocation_id,)
+        ).fetchall()
+    )
+    return InvocationRecord(row[0], row[1], row[2], row[3], BudgetUse(row[4], row[5], tool_calls))
+
+
+class SQLiteEffectStore:
+    """:class:`~supervisor.stores.base.EffectStore` in a SQLite file.
+
+    One supervisor per database (the state dir's lock guarantees it), so on
+    :meth:`open` every ``pending`` row is a leftover of a crash and becomes
+    ``unknown``.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._queue: queue.SimpleQueue[tuple[_Op, asyncio.Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- the writer thread ------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = FULL")
+        return conn
+
+    def _serve(self, conn: sqlite3.Connection) -> None:
+        try:
+            while True:
+                first = self._queue.get()
+                if first is None:
+                    return
+                batch = [first]
+                while len(batch) < MAX_BATCH:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        self._queue.put(None)  # stop after this batch
+                        break
+                    batch.append(item)
+                self._run_batch(conn, batch)
+        finally:
+            conn.close()
+
+    def _run_batch(
+        self, conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any]]]
+    ) -> None:
+        outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for op, future in batch:
+                conn.execute("SAVEPOINT op")
+                try:
+                    result = op(conn)
+                except Exception as exc:  # boundary: the thread must outlive any one op
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                    outcomes.append((future, None, exc))
+                else:
+                    conn.execute("RELEASE op")
+                    outcomes.append((future, result, None))
+            conn.execute("COMMIT")  # one fsync for the whole batch
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.rollback()
+            outcomes = [(future, None, exc) for _, future in batch]
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(_settle, outcomes)
+
+    async def _run(self, op: Callable[[sqlite3.Connection], T]) -> T:
+        if self._thread is None or self._loop is None:
+            raise RuntimeError("SQLiteEffectStore used before open() or after close()")
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._queue.put((op, future))
+        try:
+            return await future
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"effect store {self.path}: {exc}") from exc
+
+    # -- lifecycle ----------------------------------------------------------
+
+    async def open(self) -> int:
+        if self._thread is not None:
+            raise RuntimeError("SQLiteEffectStore.open() called twice")
+        try:
+            conn = await asyncio.to_thread(self._connect)
+            await asyncio.to_thread(conn.executescript, _SCHEMA)
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"cannot open effect store {self.path}: {exc}") from exc
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(
+            target=self._serve, args=(conn,), name="hostcall-sqlite", daemon=True
+        )
+        self._thread.start()
+
+        def migrate_and_recover(conn: sqlite3.Connection) -> int:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is None:
+                conn.execute(
+                    "INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
+                    (str(SCHEMA_VERSION),),
+                )
+            elif int(row[0]) > SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(
+                    f"schema version {row[0]} is newer than this hostcall ({SCHEMA_VERSION})"
+                )
+            return conn.execute(
+                "UPDATE effects SET status = 'unknown' WHERE status = 'pending'"
+            ).rowcount
+
+        return await self._run(migrate_and_recover)
+
+    async def close(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            await asyncio.to_thread(thread.join)
+
+    # -- invocations and budget -------------------------------------------
+
+    async def open_invocation(
+        self, invocation_id: str, plan_hash: str, deadline_at: float | None, now: float
+    ) -> tuple[InvocationRecord, bool]:
+        def op(conn: sqlite3.Connection) -> tuple[InvocationRecord, bool]:
+            created = conn.execute(
+                "INSERT INTO invocations (invocation_id, plan_hash, created_at, deadline_at)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                (invocation_id, plan_hash, now, deadline_at),
+            ).rowcount
+            record = _get_invocation(conn, invocation_id)
+            assert record is not None
+            return record, created == 1
+
+        return await self._run(op)
+
+    async def get_invocation(self, invocation_id: str) -> InvocationRecord | None:
+        return await self._run(lambda conn: _get_invocation(conn, invocation_id))
+
+    async def list_invocations(self) -> list[InvocationRecord]:
+        def op(conn: sqlite3.Connection) -> list[InvocationRecord]:
+            ids = conn.execute("SELECT invocation_id FROM invocations ORDER BY created_at")
+            return [r for (i,) in ids.fetchall() if (r := _get_invocation(conn, i)) is not None]
+
+        return await self._run(op)
+
+    async def reserve(
+        self, invocation_id: str, tool: str, cost: float, limits: BudgetLimits
+    ) -> bool:
+        def op(conn: sqlite3.Connection) -> bool:
+            # Read and write in one transaction on the only writer: atomic.
+            record = _get_invocation(conn, invocation_id)
+            if record is None or not budget_allows(limits, record.used, tool, cost):
+                return False
+            _use(conn, invocation_id, tool, 1, cost)
+            return True
+
+        return await self._run(op)
+
+    async def refund(self, invocation_id: str, tool: str, cost: float) -> None:
+        await self._run(lambda conn: _use(conn, invocation_id, tool, -1, -cost))
+
+    # -- effect records -----------------------------------------------------
+
+    async def get(self, invocation_id: str, call_id: str) -> EffectRecord | None:
+        return await self._run(lambda conn: _get_effect(conn, invocation_id, call_id))
+
+    async def begin(self, start: StartCall, now: float) -> Begun:
+        def op(conn: sqlite3.Connection) -> Begun:
+            inserted = conn.execute(
+                "INSERT INTO effects (invocation_id, call_id, tool, idempotency_key, status,"
+                " execution_id, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, 'pending', ?, ?, ?) ON CONFLICT DO NOTHING",
+                (
+                    start.invocation_id,
+                    start.call_id,
+                    start.tool,
+                    start.idempotency_key,
+                    start.execution_id,
+                    now,
+                    now,
+                ),
+            ).rowcount
+            won = inserted == 1
+            if not won and start.reversible:
+                won = (
+                    conn.execute(
+                        "UPDATE effects SET status = 'pending', execution_id = ?, updated_at = ?"
+                        " WHERE invocation_id = ? AND call_id = ? AND status = 'unknown'"
+                        " AND tool = ? AND idempotency_key = ?",
+                        (
+                            start.execution_id,
+                            now,
+                            start.invocation_id,
+                            start.call_id,
+                            start.tool,
+                            start.idempotency_key,
+                        ),
+                    ).rowcount
+                    == 1
+                )
+            record = _get_effect(conn, start.invocation_id, start.call_id)
+            assert record is not None
+            return Begun(won, record)
+
+        return await self._run(op)
+
+    async def commit(
+        self, invocation_id: str, call_id: str, response: Mapping[str, Any], now: float
+    ) -> None:
+        text = json.dumps(response, separators=(",", ":"))
+        await self._run(
+            lambda conn: conn.execute(
+                "UPDATE effects SET status = 'committed', response = ?, updated_at = ?"
+                " WHERE invocation_id = ? AND call_id = ? AND status = 'pending'",
+                (text, now, invocation_id, call_id),
+            )
+        )
+
+    async def mark_unknown(self, invocation_id: str, call_id: str, now: float) -> None:
+        await self._run(
+            lambda conn: conn.execute(
+                "UPDATE effects SET status = 'unknown', updated_at = ?"
+                " WHERE invocation_id = ? AND call_id = ? AND status = 'pending'",
+                (now, invocation_id, call_id),
+            )
+        )
+
+    async def release(self, invocation_id: str, call_id: str) -> None:
+        await self._run(
+            lambda conn: conn.execute(
+                "DELETE FROM effects WHERE invocation_id = ? AND call_id = ? AND status = 'pending'",
+                (invocation_id, call_id),
+            )
+        )
+
+    async def calls(self, invocation_id: str) -> list[EffectRecord]:
+        def op(conn: sqlite3.Connection) -> list[EffectRecord]:
+            rows = conn.execute(
+                f"SELECT {_EFFECT_COLUMNS} FROM effects WHERE invocation_id = ?"
+                " ORDER BY created_at, call_id",
+                (invocation_id,),
+            ).fetchall()
+            return [r for row in rows if (r := _effect(row)) is not None]
+
+        return await self._run(op)
+
+
+def _use(conn: sqlite3.Connection, invocation_id: str, tool: str, calls: int, cost: float) -> None:
+    conn.execute(
+        "UPDATE invocations SET calls_used = calls_used + ?, cost_used = cost_used + ?"
+        " WHERE invocation_id = ?",
+        (calls, cost, invocation_id),
+    )
+    conn.execute(
+        "INSERT INTO tool_usage (invocation_id, tool, calls_used) VALUES (?, ?, ?)"
+        " ON CONFLICT (invocation_id, tool) DO UPDATE SET calls_used = calls_used + excluded.calls_used",
+        (invocation_id, tool, calls),
+    )
+
+
+def _settle(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, result, error in outcomes:
+        if future.done():  # the awaiting task was cancelled
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
