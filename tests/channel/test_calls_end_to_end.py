@@ -1,0 +1,171 @@
+"""The replay table of SPEC §5.5, row by row, through a real guest and socket.
+
+Each test counts the handler's real executions in the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from supervisor import Supervisor
+from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan, driven_guest
+
+
+async def test_a_new_call_runs_once_and_its_retry_replays_the_stored_result(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with driven_guest(sup, plan) as guest:
+        first = await guest.call("c1", "charge", {"account": "acct_1", "cents": 500})
+        again = await guest.call("c1", "charge", {"account": "acct_1", "cents": 500})
+    assert first["status"] == 200
+    assert first["body"]["effect"] == "executed"
+    assert first["body"]["result"] == {"charge_id": "ch_1", "account": "acct_1", "cents": 500}
+    assert again["status"] == 200
+    assert again["body"]["effect"] == "replayed"
+    assert again["body"]["result"] == first["body"]["result"]
+    assert again["body"]["idempotency_key"] == first["body"]["idempotency_key"]
+    assert ledger.runs["charge"] == 1
+
+
+async def test_a_call_id_reused_with_other_arguments_is_refused_and_runs_nothing(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with driven_guest(sup, plan) as guest:
+        await guest.call("c1", "charge", {"account": "acct_1", "cents": 500})
+        other_args = await guest.call("c1", "charge", {"account": "acct_1", "cents": 501})
+        other_tool = await guest.call("c1", "lookup", {"account": "acct_1"})
+    for reply in (other_args, other_tool):
+        assert reply["status"] == 422
+        assert reply["body"]["error"]["code"] == "call_id_reused"
+        assert reply["body"]["effect"] == "none"
+    assert ledger.runs == {"charge": 1}
+
+
+async def test_lax_coercion_gives_the_same_key_so_a_retry_with_equal_input_replays(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with driven_guest(sup, plan) as guest:
+        first = await guest.call("c1", "charge", {"account": "acct_1", "cents": 500})
+        coerced = await guest.call("c1", "charge", {"cents": "500", "account": "acct_1"})
+        other_id = await guest.call("c2", "charge", {"account": "acct_1", "cents": 500})
+    assert coerced["body"]["effect"] == "replayed"
+    # The key is a function of the business input, not of the call id.
+    assert other_id["body"]["idempotency_key"] == first["body"]["idempotency_key"]
+    assert ledger.runs["charge"] == 2
+
+
+async def test_a_retry_while_the_handler_runs_is_ambiguous_in_flight_and_runs_nothing(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with driven_guest(sup, plan) as guest:
+        # The first request blocks in the handler; a grandchild retries meanwhile.
+        first = asyncio.ensure_future(guest.call("s1", "slow_charge", {"account": "a"}))
+        assert await asyncio.to_thread(ledger.started.wait, STEP_TIMEOUT_S)
+        retry = await guest.send({"op": "spawn_child", "request": {
+            "body": {"call_id": "s1", "tool": "slow_charge", "args": {"account": "a"}}}})
+        status = await guest.request(method="GET", path="/v1/calls/s1")
+        ledger.release.set()
+        done = await first
+        after = await guest.call("s1", "slow_charge", {"account": "a"})
+    assert retry["status"] == 409
+    assert retry["body"]["status"] == "ambiguous"
+    assert retry["body"]["reason"] == "in_flight"
+    assert retry["body"]["effect"] == "unknown"
+    assert status["status"] == 409 and status["body"]["reason"] == "in_flight"
+    assert done["status"] == 200 and done["body"]["effect"] == "executed"
+    assert after["body"]["effect"] == "replayed"
+    assert ledger.runs["slow_charge"] == 1
+
+
+async def test_an_irreversible_call_with_an_unknown_outcome_is_never_run_again(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with driven_guest(sup, plan) as guest:
+        first = await guest.call("m1", "flaky_send", {"to": "a@example.com"})
+        retry = await guest.call("m1", "flaky_send", {"to": "a@example.com"})
+        status = await guest.request(method="GET", path="/v1/calls/m1")
+    for reply in (first, retry, status):
+        assert reply["status"] == 409
+        assert reply["body"]["status"] == "ambiguous"
+        assert reply["body"]["reason"] == "unknown"
+        assert reply["body"]["effect"] == "unknown"
+        assert len(reply["body"]["idempotency_key"]) == 64
+    assert ledger.runs["flaky_send"] == 1
+
+
+async def test_a_reversible_call_with_an_unknown_outcome_runs_again_on_retry(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with driven_guest(sup, plan) as guest:
+        first = await guest.call("r1", "flaky_read", {"key": "k"})
+        retry = await guest.call("r1", "flaky_read", {"key": "k"})
+        third = await guest.call("r1", "flaky_read", {"key": "k"})
+    assert first["status"] == 409 and first["body"]["reason"] == "unknown"
+    assert retry["status"] == 200 and retry["body"]["effect"] == "executed"
+    assert retry["body"]["result"] == "value_k"
+    assert third["body"]["effect"] == "replayed"
+    assert ledger.runs["flaky_read"] == 2
+
+
+async def test_a_plain_handler_error_releases_the_record_so_the_call_may_run_again(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with driven_guest(sup, plan) as guest:
+        first = await guest.call("b1", "broken", {"x": 1})
+        status = await guest.request(method="GET", path="/v1/calls/b1")
+        again = await guest.call("b1", "broken", {"x": 1})
+    assert first["status"] == 500
+    assert first["body"]["status"] == "error"
+    assert first["body"]["effect"] == "failed"
+    assert first["body"]["error"] == {
+        "code": "tool_error", "type": "ValueError", "message": "no such thing"
+    }
+    assert status["status"] == 404 and status["body"]["error"]["code"] == "not_found"
+    assert again["body"]["effect"] == "failed"
+    assert ledger.runs["broken"] == 2
+
+
+async def test_an_invalid_result_is_committed_and_the_same_error_is_replayed(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with driven_guest(sup, plan) as guest:
+        first = await guest.call("x1", "bad_result", {})
+        again = await guest.call("x1", "bad_result", {})
+    assert first["status"] == 500
+    assert first["body"]["error"]["code"] == "result_invalid"
+    assert first["body"]["effect"] == "executed"
+    assert again["status"] == 500
+    assert again["body"]["error"]["code"] == "result_invalid"
+    assert again["body"]["effect"] == "replayed"
+    assert ledger.runs["bad_result"] == 1
+
+
+async def test_fifty_concurrent_requests_with_one_call_id_run_the_handler_once(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    body = {"call_id": "same", "tool": "charge", "args": {"account": "acct_9", "cents": 1}}
+    async with driven_guest(sup, plan) as guest:
+        answer = await guest.send({"op": "burst", "n": 50, "request": {"body": body}})
+        settled = await guest.request(method="GET", path="/v1/calls/same?wait=10")
+    responses = answer["responses"]
+    assert len(responses) == 50
+    executed = [r for r in responses if r["status"] == 200 and r["body"]["effect"] == "executed"]
+    others = [r for r in responses if r not in executed]
+    assert len(executed) == 1
+    for reply in others:
+        assert (reply["status"], reply["body"]["effect"]) in {
+            (200, "replayed"), (409, "unknown")
+        }, reply
+        if reply["status"] == 409:
+            assert reply["body"]["reason"] == "in_flight"
+    assert settled["body"]["effect"] == "replayed"
+    assert ledger.runs["charge"] == 1
