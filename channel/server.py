@@ -31,6 +31,8 @@ DEFAULT_MAX_BODY: Final = 1024 * 1024
 MAX_WAIT_S: Final = 60.0
 #: How long ``close()`` lets in-flight requests finish before dropping them.
 SHUTDOWN_GRACE_S: Final = 5.0
+#: Many guests connect at once (hundreds per supervisor): a deep accept queue.
+LISTEN_BACKLOG: Final = 1024
 
 
 
@@ -85,9 +87,11 @@ class ChannelServer:
         if mode & 0o077:
             raise RuntimeError(f"socket directory {parent} must be mode 0700, is {mode:04o}")
         self.socket_path.unlink(missing_ok=True)
-        runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
+        runner = web.AppRunner(
+            self._app(), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S
+        )
         await runner.setup()
-        site = web.UnixSite(runner, str(self.socket_path), shutdown_timeout=SHUTDOWN_GRACE_S)
+        site = web.UnixSite(runner, str(self.socket_path), backlog=LISTEN_BACKLOG)
         await site.start()
         # The directory is 0700, so nobody else could connect in between.
         os.chmod(self.socket_path, 0o600)

@@ -99,7 +99,7 @@ class Broker:
         try:
             resolved = self._lookup(tool)
             model, canonical = resolved.canonicalize(args)
-            key = idempotency_key(resolved.name, canonical)
+            key = _key_of(resolved.name, canonical)
             outcome = await self._run(_Call(call_id, resolved, model, canonical, key, started_at))
         except Refusal as refusal:
             outcome = _Outcome(
@@ -383,6 +383,18 @@ class Broker:
 
 
 _REUSED_MESSAGE: Final = "this call_id was used before with another tool or other arguments"
+
+
+def _key_of(tool: str, canonical_args: dict[str, Any]) -> str:
+    try:
+        return idempotency_key(tool, canonical_args)
+    except ValueError as exc:
+        # Valid JSON that is not I-JSON: lone surrogates, integers past 2**53.
+        raise Refusal(
+            "invalid_arguments",
+            "arguments cannot be canonicalized (RFC 8785)",
+            details=[{"loc": [], "msg": str(exc)}],
+        ) from None
 
 
 def _call_sync(handler: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class Execution:
     credential_sha256: bytes
     broker: Broker
     guest_pid: int | None = None
+    process: asyncio.subprocess.Process | None = None
     state: ExecutionState = ExecutionState.STARTING
 
     @property

@@ -320,6 +320,7 @@ class Supervisor:
             raise
         del credential  # the supervisor keeps only the digest
         execution.guest_pid = process.pid
+        execution.process = process
         execution.state = ExecutionState.RUNNING
         timed_out = False
         try:

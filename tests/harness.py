@@ -189,3 +189,40 @@ async def driven_guest(
             run.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await run
+
+
+def raw_request(
+    socket_path: str,
+    method: str,
+    path: str,
+    headers: dict[str, str],
+    body: bytes | None = None,
+) -> tuple[int, Any]:
+    """One HTTP request from *this* process (not a guest) to a Unix socket."""
+    import http.client
+    import socket
+
+    class _Conn(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(STEP_TIMEOUT_S)
+            self.sock.connect(socket_path)
+
+    conn = _Conn("localhost", timeout=STEP_TIMEOUT_S)
+    try:
+        conn.request(method, path, body, headers)
+        response = conn.getresponse()
+        data = response.read()
+    finally:
+        conn.close()
+    return response.status, json.loads(data)
+
+
+def identity_headers(execution: Execution, credential: str) -> dict[str, str]:
+    """The four identity headers of SPEC §4.1 for ``execution``."""
+    return {
+        "Authorization": f"Bearer {credential}",
+        "Hostcall-Invocation": execution.invocation_id,
+        "Hostcall-Execution": execution.execution_id,
+        "Hostcall-Plan": execution.plan_hash,
+    }

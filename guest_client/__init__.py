@@ -1,0 +1,44 @@
+"""What guest code imports to call host tools: standard library only.
+
+    from guest_client import connect
+
+    client = connect()
+    client.tools()
+    client.call("charge", {"account": "acct_1", "cents": 500}, call_id="call_7")
+    client.status("call_7")
+
+Importing this package takes a few milliseconds: `http.client` and `socket`
+load with the first request, `random` with the first retry, `uuid` with the
+first minted `call_id`.
+"""
+
+from __future__ import annotations
+
+from guest_client.client import HostClient, connect
+from guest_client.env import GuestEnvironment
+from guest_client.errors import (
+    ConfigurationError,
+    EffectUnknown,
+    HostcallError,
+    ProtocolError,
+    Refused,
+    ResultInvalid,
+    ToolError,
+    TransportError,
+)
+from guest_client.retry import RetryPolicy
+
+__all__ = [
+    "ConfigurationError",
+    "EffectUnknown",
+    "GuestEnvironment",
+    "HostClient",
+    "HostcallError",
+    "ProtocolError",
+    "Refused",
+    "ResultInvalid",
+    "RetryPolicy",
+    "ToolError",
+    "TransportError",
+    "connect",
+]

@@ -1,0 +1,232 @@
+"""The sync client: `connect()` and `HostClient`.
+
+`HostClient` drives the flows of `guest_client.flows` with blocking sends and
+`time.sleep`; every decision about retrying, polling and what a response
+means is made there.
+"""
+
+from __future__ import annotations
+
+import _thread
+import time
+
+from guest_client.env import GuestEnvironment
+from guest_client.flows import call_flow, plan_flow, status_flow
+from guest_client.retry import Budget, RetryPolicy
+from guest_client.wire import Sleep, TransportFailure, mint_call_id
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from types import TracebackType
+    from typing import Any, TypeVar
+
+    from guest_client.flows import Flow
+    from guest_client.wire import Reply, Transport
+
+    T = TypeVar("T")
+
+__all__ = ["HostClient", "connect"]
+
+
+def connect(*, retry: RetryPolicy | None = None) -> HostClient:
+    """A client for this guest, from the environment the supervisor set.
+
+    Reads `HOSTCALL_SOCKET`, `HOSTCALL_INVOCATION`, `HOSTCALL_EXECUTION`,
+    `HOSTCALL_PLAN` and the credential (from the fd `HOSTCALL_CREDENTIAL_FD`
+    names, once per process; else `HOSTCALL_CREDENTIAL`). Opens no
+    connection yet.
+
+    Args:
+        retry: Bounds on retries and time per operation; safe defaults.
+
+    Raises:
+        ConfigurationError: This process is not a hostcall guest, or its
+            environment is unusable.
+    """
+    return HostClient(GuestEnvironment.from_environ(), retry=retry)
+
+
+class HostClient:
+    """Calls host tools through the channel. Thread-safe; use one per process.
+
+    Every operation retries transport failures with backoff within its
+    `RetryPolicy`; `timeout=` on an operation replaces the policy's deadline
+    for it. Close it (or use it as a context manager) to close its
+    connections.
+    """
+
+    def __init__(
+        self,
+        environment: GuestEnvironment,
+        *,
+        retry: RetryPolicy | None = None,
+        transport: Transport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """Args:
+        environment: Who this guest is and where the channel is.
+        retry: Bounds on retries and time per operation.
+        transport: Sends the requests; by default HTTP over the channel's
+            Unix socket (a seam for tests and other transports).
+        clock: Monotonic clock for deadlines.
+        sleep: How to wait between attempts.
+        """
+        self._environment = environment
+        self._retry = retry if retry is not None else RetryPolicy()
+        self._transport = transport
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = _thread.allocate_lock()
+        self._closed = False
+
+    @property
+    def environment(self) -> GuestEnvironment:
+        """Who this guest is."""
+        return self._environment
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The retry policy of every operation."""
+        return self._retry
+
+    def call(
+        self,
+        tool: str,
+        args: Mapping[str, Any] | None = None,
+        *,
+        call_id: str | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Call a host tool and return its result.
+
+        Args:
+            tool: The tool's name in the plan.
+            args: Its arguments (a JSON object); None means `{}`.
+            call_id: Names this call for the host: the host runs one
+                `call_id` at most once and replays its result. Pass the
+                model's tool-call id to make retries of a whole agent step
+                safe; by default a fresh id is minted and reused for every
+                transport retry of this call.
+            timeout: Seconds for the whole call, retries and polling
+                included; default `retry.deadline`.
+
+        Raises:
+            Refused: The host did not run the tool (`.code` says why).
+            ToolError: The tool ran and failed; calling again is safe.
+            ResultInvalid: The tool ran and its effect happened, but its
+                result is invalid.
+            EffectUnknown: The tool may have run.
+            TransportError: The host could not be reached in time.
+            ValueError: `call_id` is malformed, or `args` hold NaN.
+            TypeError: `args` is not a JSON object.
+        """
+        if call_id is None:
+            call_id = mint_call_id()
+        flow = call_flow(self._budget(timeout), call_id, tool, args)
+        return self._run(flow)
+
+    def status(
+        self, call_id: str, wait: float | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """The state of a call, as `GET /v1/calls/{call_id}` reports it.
+
+        Runs nothing. Returns the body for every state of the call: `ok`
+        (with `result`), `ambiguous` (`in_flight` or `unknown`),
+        `awaiting_approval`, `error`, and `refused` with `error.code`
+        `not_found` when the host holds no record of it.
+
+        Args:
+            call_id: The call.
+            wait: Long-poll up to this many seconds (0-60) for a call in
+                flight to settle.
+            timeout: Seconds for the request and its retries.
+
+        Raises:
+            Refused: The request was refused (identity, bad request).
+            TransportError: The host could not be reached in time.
+            ValueError: `call_id` or `wait` is malformed.
+        """
+        return self._run(status_flow(self._budget(timeout), call_id, wait))
+
+    def plan(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """The plan as this guest sees it (`GET /v1/plan`): `plan_hash`,
+        `name`, `tools` and what is left of the `budget`.
+
+        Raises:
+            Refused: The request was refused.
+            TransportError: The host could not be reached in time.
+        """
+        return self._run(plan_flow(self._budget(timeout)))
+
+    def tools(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """The tools this guest may call, with their JSON Schemas,
+        reversibility, approval rule and cost.
+
+        Raises:
+            Refused: The request was refused.
+            TransportError: The host could not be reached in time.
+        """
+        tools: list[dict[str, Any]] = self.plan(timeout=timeout)["tools"]
+        return tools
+
+    def close(self) -> None:
+        """Close the client's connections. Later operations raise RuntimeError."""
+        with self._lock:
+            transport, self._transport = self._transport, None
+            self._closed = True
+        if transport is not None:
+            transport.close()
+
+    def __enter__(self) -> HostClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"HostClient({self._environment!r}, retry={self._retry!r})"
+
+    def _budget(self, timeout: float | None) -> Budget:
+        return Budget(self._retry, self._clock, timeout=timeout)
+
+    def _get_transport(self) -> Transport:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the hostcall client is closed")
+            if self._transport is None:
+                # Imported on first use: http.client and socket are most of
+                # the client's import time.
+                from guest_client.transport import UnixTransport
+
+                self._transport = UnixTransport(
+                    self._environment.socket_path,
+                    self._environment.identity_headers(),
+                )
+            return self._transport
+
+    def _run(self, flow: Flow[T]) -> T:
+        transport = self._get_transport()
+        reply: Reply = None
+        try:
+            while True:
+                action = flow.send(reply)
+                if isinstance(action, Sleep):
+                    self._sleep(action.seconds)
+                    reply = None
+                    continue
+                try:
+                    reply = transport.send(action)
+                except TransportFailure as failure:
+                    reply = failure
+        except StopIteration as stop:
+            value: T = stop.value
+            return value
+        finally:
+            flow.close()

@@ -1,0 +1,195 @@
+"""SPEC §4.1: every identity failure, in order, refused with zero handler calls."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from supervisor import Supervisor
+from tests.harness import (
+    Ledger,
+    billing_plan,
+    driven_guest,
+    identity_headers,
+    raw_request,
+)
+
+CHARGE = {"call_id": "c1", "tool": "charge", "args": {"account": "acct_1", "cents": 5}}
+
+
+@pytest.mark.parametrize(
+    ("override", "omit", "status", "code"),
+    [
+        ({}, ["Authorization"], 401, "unauthenticated"),
+        ({"Authorization": "Basic dXNlcjpwYXNz"}, [], 401, "unauthenticated"),
+        ({"Authorization": "Bearer "}, [], 401, "unauthenticated"),
+        ({"Authorization": "Bearer AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"}, [], 401,
+         "unauthenticated"),
+        ({"Hostcall-Execution": "exe_does_not_exist"}, [], 401, "unauthenticated"),
+        ({}, ["Hostcall-Execution"], 401, "unauthenticated"),
+        ({"Hostcall-Invocation": "inv_other"}, [], 401, "unauthenticated"),
+        ({}, ["Hostcall-Invocation"], 401, "unauthenticated"),
+        ({"Hostcall-Plan": "sha256:" + "0" * 64}, [], 403, "plan_mismatch"),
+        ({}, ["Hostcall-Plan"], 403, "plan_mismatch"),
+    ],
+)
+async def test_a_request_with_bad_identity_is_refused_with_its_code_and_runs_nothing(
+    sup: Supervisor,
+    ledger: Ledger,
+    override: dict[str, str],
+    omit: list[str],
+    status: int,
+    code: str,
+) -> None:
+    async with driven_guest(sup, billing_plan(ledger)) as guest:
+        reply = await guest.request(body=CHARGE, headers=override, omit=omit)
+        plan = await guest.request(method="GET", path="/v1/plan", headers=override, omit=omit)
+        records = await sup.store.calls(guest.execution.invocation_id)
+    for answer in (reply, plan):
+        assert answer["status"] == status
+        assert answer["body"]["status"] == "refused"
+        assert answer["body"]["error"]["code"] == code
+        assert answer["body"]["effect"] == "none"
+    assert records == []
+    assert ledger.runs == {}
+
+
+async def test_an_unauthenticated_request_learns_nothing_even_with_a_malformed_body(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    async with driven_guest(sup, billing_plan(ledger)) as guest:
+        reply = await guest.request(raw="{not json", omit=["Authorization"])
+        status = await guest.request(method="GET", path="/v1/calls/c1", omit=["Authorization"])
+    assert reply["status"] == 401
+    assert status["status"] == 401
+    assert "c1" not in json.dumps(status["body"]["error"])
+
+
+async def test_a_stolen_credential_used_outside_the_guest_tree_is_denied_by_origin(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    async with driven_guest(sup, billing_plan(ledger)) as guest:
+        stolen = identity_headers(guest.execution, await guest.credential())
+        # This test process is not the guest nor one of its descendants.
+        status, body = await asyncio.to_thread(
+            raw_request,
+            str(sup.socket_path),
+            "POST",
+            "/v1/calls",
+            {**stolen, "Content-Type": "application/json"},
+            json.dumps(CHARGE).encode(),
+        )
+        records = await sup.store.calls(guest.execution.invocation_id)
+    assert status == 403
+    assert body["error"]["code"] == "origin_denied"
+    assert records == []
+    assert ledger.runs == {}
+
+
+async def test_a_descendant_of_the_guest_may_call_with_the_guest_identity(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    async with driven_guest(sup, billing_plan(ledger)) as guest:
+        reply = await guest.send({"op": "spawn_child", "request": {"body": CHARGE}})
+    assert reply["status"] == 200
+    assert reply["body"]["effect"] == "executed"
+    assert ledger.runs["charge"] == 1
+
+
+async def test_the_credential_of_an_ended_execution_is_fenced_before_origin_is_checked(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with driven_guest(sup, plan) as first:
+        old = identity_headers(first.execution, await first.credential())
+    assert not first.execution.live
+    async with driven_guest(sup, plan) as second:
+        # A live guest presenting the ended execution's credential.
+        reply = await second.request(body=CHARGE, headers=old)
+    status, body = await asyncio.to_thread(
+        raw_request, str(sup.socket_path), "GET", "/v1/plan", old
+    )
+    assert reply["status"] == 403
+    assert reply["body"]["error"]["code"] == "execution_fenced"
+    # From outside any guest tree, too: fencing is decided before origin.
+    assert (status, body["error"]["code"]) == (403, "execution_fenced")
+    assert ledger.runs == {}
+
+
+async def test_a_new_execution_of_the_same_invocation_fences_the_older_one(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with driven_guest(sup, plan, invocation_id="inv_fence") as first:
+        async with driven_guest(sup, plan, invocation_id="inv_fence") as second:
+            old = await first.call("c1", "charge", {"account": "a", "cents": 1})
+            new = await second.call("c1", "charge", {"account": "a", "cents": 1})
+    assert old["status"] == 403
+    assert old["body"]["error"]["code"] == "execution_fenced"
+    assert new["status"] == 200
+    assert ledger.runs["charge"] == 1
+
+
+async def test_the_credential_is_in_neither_the_guest_environment_nor_its_argv(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    async with driven_guest(sup, billing_plan(ledger)) as guest:
+        credential = await guest.credential()
+        pid = guest.execution.guest_pid
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert len(credential) == 43  # 32 bytes, base64url without padding
+    assert credential.encode() not in environ
+    assert credential.encode() not in cmdline
+    assert b"HOSTCALL_CREDENTIAL_FD=" in environ
+    assert b"HOSTCALL_CREDENTIAL=" not in environ
+
+
+async def test_the_supervisor_own_hostcall_variables_are_not_passed_on(
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOSTCALL_CREDENTIAL", "leaked-from-the-host")
+    monkeypatch.setenv("HOSTCALL_SOMETHING", "x")
+    async with Supervisor(tmp_path / "s") as sup, driven_guest(
+        sup, billing_plan(ledger)
+    ) as guest:
+        environ = Path(f"/proc/{guest.execution.guest_pid}/environ").read_bytes()
+        reply = await guest.call("c1", "lookup", {"account": "a"})
+    assert b"leaked-from-the-host" not in environ
+    assert b"HOSTCALL_SOMETHING" not in environ
+    assert reply["status"] == 200
+
+
+async def test_with_origin_check_off_a_process_outside_the_tree_is_let_in(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    async with Supervisor(tmp_path / "s", origin_check=False) as sup, driven_guest(
+        sup, billing_plan(ledger)
+    ) as guest:
+        headers = identity_headers(guest.execution, await guest.credential())
+        status, body = await asyncio.to_thread(
+            raw_request, str(sup.socket_path), "GET", "/v1/plan", headers
+        )
+    assert status == 200
+    assert body["plan_hash"] == guest.execution.plan_hash
+
+
+async def test_the_env_transport_hands_the_credential_through_the_environment(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    async with Supervisor(tmp_path / "s", credential_transport="env") as sup, driven_guest(
+        sup, billing_plan(ledger)
+    ) as guest:
+        environ = Path(f"/proc/{guest.execution.guest_pid}/environ").read_bytes()
+        reply = await guest.call("c1", "lookup", {"account": "a"})
+    assert b"HOSTCALL_CREDENTIAL=" in environ
+    assert b"HOSTCALL_CREDENTIAL_FD" not in environ
+    assert reply["status"] == 200
+
+
+async def test_the_socket_is_0600_in_a_0700_directory(sup: Supervisor) -> None:
+    assert sup.socket_path.stat().st_mode & 0o777 == 0o600
+    assert sup.socket_path.parent.stat().st_mode & 0o777 == 0o700
