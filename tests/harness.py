@@ -226,3 +226,11 @@ def identity_headers(execution: Execution, credential: str) -> dict[str, str]:
         "Hostcall-Execution": execution.execution_id,
         "Hostcall-Plan": execution.plan_hash,
     }
+
+
+async def wait_until(predicate: Callable[[], bool], what: str) -> None:
+    """Wait (bounded) for a condition the system under test makes true."""
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        while not predicate():
+            await asyncio.sleep(0.005)
+    assert predicate(), what

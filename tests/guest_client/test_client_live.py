@@ -1,0 +1,73 @@
+"""guest_client against a real supervisor, channel and guest process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from supervisor import Supervisor
+from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan, wait_until
+
+GUEST = r"""
+import json, sys, threading
+from guest_client import EffectUnknown, Refused, ToolError, connect
+
+client = connect()
+results = {}
+
+def call(name):
+    results[name] = client.call("slow_charge", {"account": "a"}, call_id="s1")
+
+first = threading.Thread(target=call, args=("first",))
+first.start()
+sys.stdin.readline()                       # the test saw the handler start
+second = threading.Thread(target=call, args=("second",))
+second.start()
+first.join(60); second.join(60)
+out = {"results": results}
+try:
+    client.call("flaky_send", {"to": "x@example.com"}, call_id="m1")
+except EffectUnknown as exc:
+    out["unknown"] = [exc.call_id, exc.idempotency_key]
+try:
+    client.call("nope", {})
+except Refused as exc:
+    out["refused"] = exc.code
+try:
+    client.call("broken", {"x": 1})
+except ToolError as exc:
+    out["tool_error"] = [exc.type, exc.message]
+out["tools"] = sorted(t["name"] for t in client.tools())
+print(json.dumps(out), flush=True)
+"""
+
+
+async def test_a_retry_of_an_in_flight_call_long_polls_and_gets_the_single_result(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    started = asyncio.get_running_loop().create_future()
+    run = asyncio.create_task(sup.run(
+        plan, [sys.executable, "-c", GUEST], stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, on_start=started.set_result,
+    ))
+    async with asyncio.timeout(STEP_TIMEOUT_S * 2):
+        execution = await started
+        process = execution.process
+        assert process is not None and process.stdin is not None and process.stdout is not None
+        assert await asyncio.to_thread(ledger.started.wait, STEP_TIMEOUT_S)
+        process.stdin.write(b"go\n")
+        await process.stdin.drain()
+        # The second request was answered "in flight" (and is now long-polling).
+        await wait_until(lambda: execution.broker.outcomes["unknown"] >= 1, "in-flight reply")
+        ledger.release.set()
+        out = json.loads(await process.stdout.readline())
+        outcome = await run
+    assert outcome.exit_code == 0
+    assert out["results"]["first"] == out["results"]["second"] == "slow_a"
+    assert ledger.runs["slow_charge"] == 1
+    assert out["unknown"][0] == "m1" and len(out["unknown"][1]) == 64
+    assert out["refused"] == "tool_not_allowed"
+    assert out["tool_error"] == ["ValueError", "no such thing"]
+    assert "charge" in out["tools"]

@@ -1,0 +1,199 @@
+"""``hostcall run`` as a user runs it: a real CLI process, a real guest, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.harness import STEP_TIMEOUT_S
+
+GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
+TOOLS = '''
+from supervisor import tool
+
+@tool(reversibility="reversible")
+def echo(text: str) -> str:
+    return text
+'''
+
+
+@pytest.fixture
+def plan_file(tmp_path: Path) -> Path:
+    folder = tmp_path / "plan"
+    folder.mkdir()
+    (folder / "cli_tools.py").write_text(TOOLS)
+    (folder / "plan.toml").write_text(
+        '[plan]\nname = "cli"\nmax_calls = 5\n\n[tools.echo]\nhandler = "cli_tools:echo"\n'
+    )
+    return folder / "plan.toml"
+
+
+def hostcall(*args: str, timeout: float = STEP_TIMEOUT_S * 2, **kwargs: object) -> (
+    subprocess.CompletedProcess[str]
+):
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", *args],
+        capture_output=True, text=True, timeout=timeout, check=False, **kwargs,  # type: ignore[call-overload]
+    )
+
+
+def run_guest(state: Path, plan: Path, *guest: str, extra: tuple[str, ...] = ()) -> (
+    subprocess.CompletedProcess[str]
+):
+    return hostcall(
+        "run", "--state-dir", str(state), "--plan", str(plan), *extra,
+        "--", sys.executable, str(GUEST), *guest,
+    )
+
+
+def test_run_exits_with_the_guests_exit_code_and_summarises_on_stderr(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    done = run_guest(tmp_path / "st", plan_file, "exit", "3")
+    assert done.returncode == 3
+    assert "exited with 3" in done.stderr
+    assert "invocation inv_" in done.stderr
+
+
+def test_run_exits_128_plus_n_when_a_signal_ended_the_guest(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    done = run_guest(tmp_path / "st", plan_file, "selfkill", str(int(signal.SIGKILL)))
+    assert done.returncode == 128 + signal.SIGKILL
+    assert "signal 9" in done.stderr
+
+
+def test_a_timeout_exits_124_and_ends_the_whole_tree_including_a_setsid_grandchild(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    pids_file = tmp_path / "pids.json"
+    done = run_guest(
+        tmp_path / "st", plan_file, "tree", str(pids_file), extra=("--timeout", "1")
+    )
+    assert done.returncode == 124
+    assert "timeout" in done.stderr
+    pids = json.loads(pids_file.read_text())
+    for name, pid in pids.items():
+        try:
+            alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            alive = False
+        assert not alive, f"{name} ({pid}) survived"
+
+
+def test_the_json_summary_is_machine_readable(tmp_path: Path, plan_file: Path) -> None:
+    calls = json.dumps([["c1", "echo", {"text": "hi"}], ["c1", "echo", {"text": "hi"}]])
+    done = run_guest(tmp_path / "st", plan_file, "calls", calls, extra=("--json",))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stderr.strip().splitlines()[-1])
+    assert summary["exit_status"] == 0
+    assert summary["invocation_id"].startswith("inv_")
+    [execution] = summary["executions"]
+    assert execution["reason"] == "exited"
+    assert execution["calls"] == {"executed": 1, "replayed": 1}
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert lines[1] == {"call_id": "c1", "result": "hi"}
+    assert lines[2] == {"call_id": "c1", "result": "hi"}
+
+
+def test_a_state_dir_path_too_long_for_sun_path_still_works(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    state = tmp_path / ("d" * 60) / ("e" * 60) / "state"
+    calls = json.dumps([["c1", "echo", {"text": "long"}]])
+    done = run_guest(state, plan_file, "calls", calls)
+    assert done.returncode == 0, done.stderr
+    assert '"result": "long"' in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--invocation", "bad id!"), "ids are 1-128 characters"),
+        (("--timeout", "0"), "must be greater than 0"),
+        (("--attempts", "0"), "--attempts must be at least 1"),
+    ],
+)
+def test_bad_options_exit_2_with_a_message(
+    tmp_path: Path, plan_file: Path, args: tuple[str, ...], message: str
+) -> None:
+    done = run_guest(tmp_path / "st", plan_file, "exit", "0", extra=args)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_a_missing_command_exits_2_and_an_unknown_one_127(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    missing = hostcall("run", "--state-dir", str(tmp_path / "st"), "--plan", str(plan_file))
+    unknown = hostcall(
+        "run", "--state-dir", str(tmp_path / "st"), "--plan", str(plan_file), "--",
+        str(tmp_path / "no-such-program"),
+    )
+    assert missing.returncode == 2
+    assert unknown.returncode == 127
+    assert "cannot start" in unknown.stderr
+
+
+def test_an_invalid_plan_exits_2_naming_the_problem(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[plan]\nname = "x"\nmax_calls = "many"\n')
+    done = hostcall("run", "--state-dir", str(tmp_path / "st"), "--plan", str(plan), "--", "true")
+    assert done.returncode == 2
+    assert "max_calls" in done.stderr
+
+
+def test_a_second_supervisor_on_a_busy_state_dir_refuses_naming_the_holder(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    state = tmp_path / "st"
+    with subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "run", "--state-dir", str(state),
+         "--plan", str(plan_file), "--", sys.executable, str(GUEST), "wait"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as first:
+        try:
+            assert first.stdout is not None and first.stdin is not None
+            assert first.stdout.readline().strip() == "ready"
+            second = run_guest(state, plan_file, "exit", "0")
+            first.stdin.close()
+            assert first.wait(timeout=STEP_TIMEOUT_S) == 0
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait(timeout=STEP_TIMEOUT_S)
+    assert second.returncode == 2
+    assert f"pid {first.pid}" in second.stderr
+    assert "hostcall serve" in second.stderr
+
+
+def test_resuming_an_invocation_with_another_plan_is_refused(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    state = tmp_path / "st"
+    assert run_guest(state, plan_file, "exit", "0", extra=("--invocation", "inv_1")).returncode == 0
+    plan_file.write_text(plan_file.read_text().replace("max_calls = 5", "max_calls = 6"))
+    done = run_guest(state, plan_file, "exit", "0", extra=("--invocation", "inv_1"))
+    assert done.returncode == 2
+    assert "inv_1 runs under plan sha256:" in done.stderr
+
+
+def test_the_guest_output_passes_through_and_hostcall_variables_are_set(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    done = hostcall(
+        "run", "--state-dir", str(tmp_path / "st"), "--plan", str(plan_file),
+        "--invocation", "inv_env", "--", sys.executable, "-c",
+        "import os; print(os.environ['HOSTCALL_INVOCATION'], os.environ['HOSTCALL_PLAN'][:7],"
+        " os.path.exists(os.environ['HOSTCALL_SOCKET']))",
+        env={**os.environ, "HOSTCALL_STATE_DIR": str(tmp_path / "ignored")},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["inv_env", "sha256:", "True"]

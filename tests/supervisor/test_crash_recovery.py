@@ -1,0 +1,120 @@
+"""kill -9 of the supervisor mid-handler, then ``hostcall run --invocation``.
+
+The handlers write every real execution to a ledger file (fsync'd), which
+survives the crash; the test counts executions there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import STEP_TIMEOUT_S
+
+GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
+TOOLS = '''
+import os, socket, threading
+from supervisor import tool
+
+def _ledger(line):
+    fd = os.open(os.environ["LEDGER"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (line + "\\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+@tool(reversibility="irreversible", target_args=["account"], cost=1)
+def charge(account: str, cents: int) -> dict:
+    _ledger(f"charge {account} {cents}")
+    return {"charge_id": "ch_" + account, "cents": cents}
+
+@tool(reversibility="irreversible", target_args=["account"], cost=1)
+def hang(account: str) -> str:
+    _ledger(f"hang {account}")
+    with socket.socket(socket.AF_UNIX) as s:   # tell the test we are mid-handler
+        s.connect(os.environ["SIGNAL_SOCKET"])
+        s.sendall(b"started")
+    threading.Event().wait(120)                 # the supervisor dies before this ends
+    return "finished"
+'''
+PLAN = """
+[plan]
+name = "crash"
+max_calls = 10
+max_cost = 10
+
+[tools.charge]
+handler = "crash_tools:charge"
+
+[tools.hang]
+handler = "crash_tools:hang"
+"""
+
+
+@pytest.fixture
+def plan_file(tmp_path: Path) -> Path:
+    folder = tmp_path / "plan"
+    folder.mkdir()
+    (folder / "crash_tools.py").write_text(TOOLS)
+    (folder / "plan.toml").write_text(PLAN)
+    return folder / "plan.toml"
+
+
+def _run_cmd(state: Path, plan: Path, calls: list[list[object]]) -> list[str]:
+    return [
+        sys.executable, "-m", "supervisor.cli", "run", "--state-dir", str(state),
+        "--plan", str(plan), "--invocation", "inv_crash", "--",
+        sys.executable, str(GUEST), "calls", json.dumps(calls),
+    ]
+
+
+def test_after_kill_9_mid_handler_a_resumed_invocation_replays_commits_and_reports_unknown(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    state, ledger = tmp_path / "st", tmp_path / "ledger.txt"
+    signal_path = tmp_path / "signal.sock"
+    env = {**os.environ, "LEDGER": str(ledger), "SIGNAL_SOCKET": str(signal_path)}
+    calls = [["c1", "charge", {"account": "alice", "cents": 500}],
+             ["h1", "hang", {"account": "bob"}]]
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(signal_path))
+        listener.listen(1)
+        listener.settimeout(STEP_TIMEOUT_S)
+        with subprocess.Popen(
+            _run_cmd(state, plan_file, calls), env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+        ) as first:
+            assert first.stdout is not None
+            guest_pid = json.loads(first.stdout.readline())["pid"]
+            committed = json.loads(first.stdout.readline())
+            connection, _ = listener.accept()  # the hang handler is running now
+            connection.close()
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait(timeout=STEP_TIMEOUT_S)
+            os.kill(guest_pid, signal.SIGKILL)  # the orphaned guest of the dead run
+    assert committed == {"call_id": "c1", "result": {"charge_id": "ch_alice", "cents": 500}}
+
+    again = calls + [["plan", "__plan__", {}]]
+    second = subprocess.run(
+        _run_cmd(state, plan_file, again), env=env, capture_output=True, text=True,
+        timeout=STEP_TIMEOUT_S * 2, check=False,
+    )
+    assert second.returncode == 0, second.stderr
+    lines = [json.loads(line) for line in second.stdout.splitlines()[1:]]
+    assert lines[0] == committed  # replayed from the store, not run again
+    assert lines[1]["call_id"] == "h1"
+    assert lines[1]["code"] == "ambiguous"
+    assert len(lines[1]["unknown"]) == 64  # carries the idempotency key
+    budget = lines[2]["plan"]["budget"]
+    assert budget["calls_left"] == 8  # two calls used before the crash
+    assert budget["cost_left"] == 8
+    assert ledger.read_text().splitlines() == ["charge alice 500", "hang bob"]
+    assert "replayed 1" in second.stderr and "unknown 1" in second.stderr
