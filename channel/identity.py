@@ -9,8 +9,8 @@ an unauthenticated one learns nothing about calls or tools.
 from __future__ import annotations
 
 import hashlib
-import os
 import hmac
+import os
 from collections.abc import Mapping
 from typing import Any, Final
 

@@ -35,7 +35,6 @@ SHUTDOWN_GRACE_S: Final = 5.0
 LISTEN_BACKLOG: Final = 1024
 
 
-
 def _json_response(reply: CallReply) -> web.Response:
     return web.Response(
         body=json.dumps(reply.to_json(), separators=(",", ":")).encode(),

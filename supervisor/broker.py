@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Set
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ValidationError
 
@@ -107,9 +107,11 @@ class Broker:
             )
         except StoreUnavailable as exc:
             logger.error("call %s of %s refused: %s", call_id, self.invocation_id, exc)
-            refusal = Refusal("store_unavailable", "the effect store is unavailable; nothing ran")
+            unavailable = Refusal(
+                "store_unavailable", "the effect store is unavailable; nothing ran"
+            )
             outcome = _Outcome(
-                CallReply.refused(call_id, refusal, tool=tool, idempotency_key=key), "refused"
+                CallReply.refused(call_id, unavailable, tool=tool, idempotency_key=key), "refused"
             )
         self.outcomes[outcome.receipt_outcome] += 1
         receipt_id = await self._receipt(call_id, tool, key, outcome, started_at)
@@ -127,7 +129,10 @@ class Broker:
                 if not await _wait(admission.settled, deadline):
                     if admission.awaiting_approval:
                         return CallReply(
-                            "awaiting_approval", call_id, "none", tool=admission.tool,
+                            "awaiting_approval",
+                            call_id,
+                            "none",
+                            tool=admission.tool,
                             idempotency_key=admission.key,
                         )
                     return _not_found(call_id)
@@ -154,12 +159,15 @@ class Broker:
             "plan_hash": self.plan.plan_hash,
             "name": self.plan.name,
             "tools": [
-                t.describe() for name, t in sorted(self.plan.tools.items())
+                t.describe()
+                for name, t in sorted(self.plan.tools.items())
                 if name not in self.revoked
             ],
             "budget": {
                 "max_calls": budget.max_calls,
-                "calls_left": None if budget.max_calls is None else max(0, budget.max_calls - calls),
+                "calls_left": None
+                if budget.max_calls is None
+                else max(0, budget.max_calls - calls),
                 "max_cost": budget.max_cost,
                 "cost_left": None if budget.max_cost is None else max(0.0, budget.max_cost - cost),
                 "deadline_at": self.deadline_at,
@@ -183,9 +191,7 @@ class Broker:
             settled = await asyncio.shield(joined.settled)
             if settled is not None:
                 return _outcome_of(settled)
-        admission = _Admission(
-            call.tool.name, call.key, asyncio.get_running_loop().create_future()
-        )
+        admission = _Admission(call.tool.name, call.key, asyncio.get_running_loop().create_future())
         self._admissions[call.call_id] = admission
         try:
             outcome = await self._admit(call, admission)
@@ -210,8 +216,12 @@ class Broker:
         early = self._replay_outcome(call, record)
         if early is not None:
             return early
-        if call.tool.reversibility == "irreversible" and call.tool.target_args and not any(
-            call.args.get(name) not in (None, "", [], {}) for name in call.tool.target_args
+        if (
+            call.tool.reversibility == "irreversible"
+            and call.tool.target_args
+            and not any(
+                call.args.get(name) not in (None, "", [], {}) for name in call.tool.target_args
+            )
         ):
             raise Refusal(
                 "target_required",
@@ -220,9 +230,7 @@ class Broker:
         if self.deadline_at is not None and self.clock() >= self.deadline_at:
             raise Refusal("budget_exhausted", "the invocation's deadline has passed")
         limits = self.plan.budget
-        if not await self.store.reserve(
-            self.invocation_id, call.tool.name, call.tool.cost, limits
-        ):
+        if not await self.store.reserve(self.invocation_id, call.tool.name, call.tool.cost, limits):
             raise Refusal("budget_exhausted", "the invocation's budget would be exceeded")
         dispatched = False
         try:
@@ -294,42 +302,54 @@ class Broker:
         """Steps 10-11: run the handler once, then record what happened."""
         approval_id = ticket.approval_id if ticket is not None else None
         tool = call.tool
+        ambiguous: tuple[type[BaseException], ...] = (*tool.ambiguous_errors, TimeoutError)
+        unknown = self.store.mark_unknown
         try:
             async with asyncio.timeout(tool.timeout_s):
                 raw = await self._invoke(tool, call.model)
         except asyncio.CancelledError:
             # The supervisor is shutting down mid-handler: the outcome is in doubt.
-            await self._settle(self.store.mark_unknown(self.invocation_id, call.call_id, self.clock()))
+            await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
             raise
-        except (*tool.ambiguous_errors, TimeoutError) as exc:
+        except ambiguous as exc:
             logger.info("call %s: outcome unknown (%s)", call.call_id, type(exc).__name__)
-            await self._settle(self.store.mark_unknown(self.invocation_id, call.call_id, self.clock()))
+            await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
             reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
             return _Outcome(reply, "unknown", approval_id=approval_id)
         except Exception as exc:  # boundary: any other handler error leaves no effect
             await self._settle(self.store.release(self.invocation_id, call.call_id))
             reply = CallReply(
-                "error", call.call_id, "failed", tool=tool.name, idempotency_key=call.key,
+                "error",
+                call.call_id,
+                "failed",
+                tool=tool.name,
+                idempotency_key=call.key,
                 error={"code": "tool_error", "type": type(exc).__name__, "message": str(exc)},
             )
             return _Outcome(reply, "failed", approval_id=approval_id)
         result, problem = _checked_result(tool, raw)
         if problem is None:
             reply = CallReply(
-                "ok", call.call_id, "executed", tool=tool.name, result=result,
+                "ok",
+                call.call_id,
+                "executed",
+                tool=tool.name,
+                result=result,
                 idempotency_key=call.key,
             )
             outcome = _Outcome(reply, "executed", result, True, approval_id)
         else:
             reply = CallReply(
-                "error", call.call_id, "executed", tool=tool.name, idempotency_key=call.key,
+                "error",
+                call.call_id,
+                "executed",
+                tool=tool.name,
+                idempotency_key=call.key,
                 error={"code": "result_invalid", "message": problem},
             )
             outcome = _Outcome(reply, "result_invalid", approval_id=approval_id)
         try:
-            await self.store.commit(
-                self.invocation_id, call.call_id, reply.to_json(), self.clock()
-            )
+            await self.store.commit(self.invocation_id, call.call_id, reply.to_json(), self.clock())
         except StoreUnavailable as exc:
             # It ran, but we could not record it: the row stays pending and
             # becomes unknown at the next start. Never claim it did not run.
@@ -435,7 +455,9 @@ def _reply_for_record(record: EffectRecord) -> CallReply:
     if record.status is EffectStatus.COMMITTED:
         assert record.response is not None
         return CallReply.from_json(record.response).as_replayed()
-    reason = "in_flight" if record.status is EffectStatus.PENDING else "unknown"
+    reason: Literal["in_flight", "unknown"] = (
+        "in_flight" if record.status is EffectStatus.PENDING else "unknown"
+    )
     return CallReply.ambiguous(record.call_id, record.tool, reason, record.idempotency_key)
 
 

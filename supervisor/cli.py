@@ -173,7 +173,7 @@ def _run_main(coro: Coroutine[Any, Any, int]) -> int:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         return asyncio.run(guarded())
-    return uvloop.run(guarded())  # type: ignore[no-any-return]
+    return uvloop.run(guarded())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -44,9 +44,7 @@ class GuestIdentity:
     plan_hash: str
 
 
-def guest_environment(
-    base: Mapping[str, str], identity: GuestIdentity
-) -> dict[str, str]:
+def guest_environment(base: Mapping[str, str], identity: GuestIdentity) -> dict[str, str]:
     """The guest's environment: ``base`` without any ``HOSTCALL_*``, plus ours."""
     env = {k: v for k, v in base.items() if not k.startswith("HOSTCALL_")}
     env["HOSTCALL_SOCKET"] = identity.socket_path
@@ -135,9 +133,7 @@ def _signal_all(pgid: int, members: list[psutil.Process], signum: int) -> None:
             member.send_signal(signum)
 
 
-async def stop_tree(
-    process: asyncio.subprocess.Process, *, grace_s: float = STOP_GRACE_S
-) -> None:
+async def stop_tree(process: asyncio.subprocess.Process, *, grace_s: float = STOP_GRACE_S) -> None:
     """End the guest and everything it started: TERM, ``grace_s``, then KILL.
 
     The guest's process group is signalled, and so is every descendant found
@@ -151,8 +147,10 @@ async def stop_tree(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     while loop.time() < deadline:
-        if process.returncode is not None and not _group_alive(pgid) and not any(
-            _alive(m) for m in members
+        if (
+            process.returncode is not None
+            and not _group_alive(pgid)
+            and not any(_alive(m) for m in members)
         ):
             return
         await asyncio.sleep(_STOP_POLL_S)

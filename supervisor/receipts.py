@@ -21,7 +21,7 @@ from typing import Any, Final
 from supervisor.canonical import jcs, sha256_hex
 from supervisor.ids import new_id
 
-__all__ = ["GENESIS_HASH", "ReceiptLog", "ChainError", "verify_chain", "utc_timestamp"]
+__all__ = ["GENESIS_HASH", "ChainError", "ReceiptLog", "utc_timestamp", "verify_chain"]
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +166,7 @@ class ChainError:
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
     with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            yield number, raw
+        yield from enumerate(f, start=1)
 
 
 def verify_chain(path: Path) -> tuple[int, ChainError | None]:

@@ -167,8 +167,9 @@ class Supervisor:
             if spec is None:
                 spec = os.environ.get("HOSTCALL_STORE")
             store = spec if spec is not None and not isinstance(spec, str) else None
-            self._store = store or store_from_spec(spec if isinstance(spec, str) else None,
-                                                   self.state.path)
+            self._store = store or store_from_spec(
+                spec if isinstance(spec, str) else None, self.state.path
+            )
             self.recovered_unknown = await self._store.open()
             if self.recovered_unknown:
                 logger.warning(
@@ -241,8 +242,17 @@ class Supervisor:
                 delay = min(ATTEMPT_BACKOFF_S * 2 ** (attempt - 1), ATTEMPT_BACKOFF_MAX_S)
                 await asyncio.sleep(delay)
             outcome = await self._run_once(
-                plan, invocation_id, invocation, argv, timeout_s,
-                env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, on_start=on_start,
+                plan,
+                invocation_id,
+                invocation,
+                argv,
+                timeout_s,
+                env=env,
+                cwd=cwd,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                on_start=on_start,
             )
             outcomes.append(outcome)
             if outcome.exit_status == 0:
@@ -367,4 +377,3 @@ class Supervisor:
         if invocation is None:
             raise KeyError(invocation_id)
         invocation.revoked.add(tool)
-

@@ -96,7 +96,13 @@ def billing_plan(ledger: Ledger, **plan_options: Any) -> Plan:
         return "not an int"  # type: ignore[return-value]
 
     tools: list[Callable[..., Any]] = [
-        charge, lookup, slow_charge, flaky_send, flaky_read, broken, bad_result
+        charge,
+        lookup,
+        slow_charge,
+        flaky_send,
+        flaky_read,
+        broken,
+        bad_result,
     ]
     return Plan(tools, name="billing-test", **plan_options)
 

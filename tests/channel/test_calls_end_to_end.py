@@ -65,8 +65,14 @@ async def test_a_retry_while_the_handler_runs_is_ambiguous_in_flight_and_runs_no
         # The first request blocks in the handler; a grandchild retries meanwhile.
         first = asyncio.ensure_future(guest.call("s1", "slow_charge", {"account": "a"}))
         assert await asyncio.to_thread(ledger.started.wait, STEP_TIMEOUT_S)
-        retry = await guest.send({"op": "spawn_child", "request": {
-            "body": {"call_id": "s1", "tool": "slow_charge", "args": {"account": "a"}}}})
+        retry = await guest.send(
+            {
+                "op": "spawn_child",
+                "request": {
+                    "body": {"call_id": "s1", "tool": "slow_charge", "args": {"account": "a"}}
+                },
+            }
+        )
         status = await guest.request(method="GET", path="/v1/calls/s1")
         ledger.release.set()
         done = await first
@@ -125,7 +131,9 @@ async def test_a_plain_handler_error_releases_the_record_so_the_call_may_run_aga
     assert first["body"]["status"] == "error"
     assert first["body"]["effect"] == "failed"
     assert first["body"]["error"] == {
-        "code": "tool_error", "type": "ValueError", "message": "no such thing"
+        "code": "tool_error",
+        "type": "ValueError",
+        "message": "no such thing",
     }
     assert status["status"] == 404 and status["body"]["error"]["code"] == "not_found"
     assert again["body"]["effect"] == "failed"
@@ -163,7 +171,8 @@ async def test_fifty_concurrent_requests_with_one_call_id_run_the_handler_once(
     assert len(executed) == 1
     for reply in others:
         assert (reply["status"], reply["body"]["effect"]) in {
-            (200, "replayed"), (409, "unknown")
+            (200, "replayed"),
+            (409, "unknown"),
         }, reply
         if reply["status"] == 409:
             assert reply["body"]["reason"] == "in_flight"

@@ -21,14 +21,23 @@ GOOD_ARGS = '{"account": "acct_1", "cents": 5}'
         ("[]", "bad_request"),
         ('"a string"', "bad_request"),
         ('{"call_id": "c1", "tool": "charge", "args": ' + GOOD_ARGS + ', "x": 1}', "bad_request"),
-        ('{"call_id": "c1", "call_id": "c2", "tool": "charge", "args": ' + GOOD_ARGS + "}",
-         "bad_request"),
-        ('{"call_id": "c1", "tool": "charge", "args": {"account": "a", "account": "b",'
-         ' "cents": 5}}', "bad_request"),
-        ('{"call_id": "c1", "tool": "charge", "args": {"account": "a", "cents": NaN}}',
-         "bad_request"),
-        ('{"call_id": "c1", "tool": "charge", "args": {"account": "a", "cents": Infinity}}',
-         "bad_request"),
+        (
+            '{"call_id": "c1", "call_id": "c2", "tool": "charge", "args": ' + GOOD_ARGS + "}",
+            "bad_request",
+        ),
+        (
+            '{"call_id": "c1", "tool": "charge", "args": {"account": "a", "account": "b",'
+            ' "cents": 5}}',
+            "bad_request",
+        ),
+        (
+            '{"call_id": "c1", "tool": "charge", "args": {"account": "a", "cents": NaN}}',
+            "bad_request",
+        ),
+        (
+            '{"call_id": "c1", "tool": "charge", "args": {"account": "a", "cents": Infinity}}',
+            "bad_request",
+        ),
         ('{"call_id": "c1", "tool": "charge", "args": [1, 2]}', "bad_request"),
         ('{"call_id": "c1", "tool": "charge", "args": "x"}', "bad_request"),
         ('{"call_id": "c1", "tool": "charge"}', "bad_request"),
@@ -38,8 +47,10 @@ GOOD_ARGS = '{"account": "acct_1", "cents": 5}'
         ('{"call_id": "has space", "tool": "charge", "args": {}}', "bad_request"),
         ('{"call_id": "' + "x" * 129 + '", "tool": "charge", "args": {}}', "bad_request"),
         ('{"call_id": "c/1", "tool": "charge", "args": {}}', "bad_request"),
-        ('{"call_id": "c1", "tool": "charge", "args": {"account": "\\ud800", "cents": 5}}',
-         "invalid_arguments"),
+        (
+            '{"call_id": "c1", "tool": "charge", "args": {"account": "\\ud800", "cents": 5}}',
+            "invalid_arguments",
+        ),
     ],
 )
 async def test_a_malformed_call_is_refused_with_its_code_and_nothing_is_recorded(
@@ -87,9 +98,10 @@ async def test_only_json_bodies_are_accepted(
 async def test_a_body_over_the_limit_gets_413_and_runs_nothing(
     tmp_path: Path, ledger: Ledger
 ) -> None:
-    async with Supervisor(tmp_path / "s", max_body=4096) as sup, driven_guest(
-        sup, billing_plan(ledger)
-    ) as guest:
+    async with (
+        Supervisor(tmp_path / "s", max_body=4096) as sup,
+        driven_guest(sup, billing_plan(ledger)) as guest,
+    ):
         big = {"call_id": "c1", "tool": "lookup", "args": {"account": "a" * 5000}}
         reply = await guest.request(body=big)
         small = await guest.call("c2", "lookup", {"account": "a"})
@@ -196,12 +208,20 @@ async def test_the_plan_endpoint_describes_tools_and_the_budget_left(
     assert body["name"] == "billing-test"
     charge = next(t for t in body["tools"] if t["name"] == "charge")
     assert set(charge) == {
-        "name", "description", "input_schema", "output_schema", "reversibility", "approval",
+        "name",
+        "description",
+        "input_schema",
+        "output_schema",
+        "reversibility",
+        "approval",
         "cost",
     }
     assert charge["reversibility"] == "irreversible"
     assert charge["input_schema"]["required"] == ["account", "cents"]
     assert body["budget"] == {
-        "max_calls": 10, "calls_left": 9, "max_cost": 100, "cost_left": 90,
+        "max_calls": 10,
+        "calls_left": 9,
+        "max_cost": 100,
+        "cost_left": 90,
         "deadline_at": None,
     }

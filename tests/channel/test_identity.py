@@ -26,8 +26,12 @@ CHARGE = {"call_id": "c1", "tool": "charge", "args": {"account": "acct_1", "cent
         ({}, ["Authorization"], 401, "unauthenticated"),
         ({"Authorization": "Basic dXNlcjpwYXNz"}, [], 401, "unauthenticated"),
         ({"Authorization": "Bearer "}, [], 401, "unauthenticated"),
-        ({"Authorization": "Bearer AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"}, [], 401,
-         "unauthenticated"),
+        (
+            {"Authorization": "Bearer AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"},
+            [],
+            401,
+            "unauthenticated",
+        ),
         ({"Hostcall-Execution": "exe_does_not_exist"}, [], 401, "unauthenticated"),
         ({}, ["Hostcall-Execution"], 401, "unauthenticated"),
         ({"Hostcall-Invocation": "inv_other"}, [], 401, "unauthenticated"),
@@ -123,10 +127,12 @@ async def test_a_new_execution_of_the_same_invocation_fences_the_older_one(
     sup: Supervisor, ledger: Ledger
 ) -> None:
     plan = billing_plan(ledger)
-    async with driven_guest(sup, plan, invocation_id="inv_fence") as first:
-        async with driven_guest(sup, plan, invocation_id="inv_fence") as second:
-            old = await first.call("c1", "charge", {"account": "a", "cents": 1})
-            new = await second.call("c1", "charge", {"account": "a", "cents": 1})
+    async with (
+        driven_guest(sup, plan, invocation_id="inv_fence") as first,
+        driven_guest(sup, plan, invocation_id="inv_fence") as second,
+    ):
+        old = await first.call("c1", "charge", {"account": "a", "cents": 1})
+        new = await second.call("c1", "charge", {"account": "a", "cents": 1})
     assert old["status"] == 403
     assert old["body"]["error"]["code"] == "execution_fenced"
     assert new["status"] == 200
@@ -153,9 +159,7 @@ async def test_the_supervisor_own_hostcall_variables_are_not_passed_on(
 ) -> None:
     monkeypatch.setenv("HOSTCALL_CREDENTIAL", "leaked-from-the-host")
     monkeypatch.setenv("HOSTCALL_SOMETHING", "x")
-    async with Supervisor(tmp_path / "s") as sup, driven_guest(
-        sup, billing_plan(ledger)
-    ) as guest:
+    async with Supervisor(tmp_path / "s") as sup, driven_guest(sup, billing_plan(ledger)) as guest:
         environ = Path(f"/proc/{guest.execution.guest_pid}/environ").read_bytes()
         reply = await guest.call("c1", "lookup", {"account": "a"})
     assert b"leaked-from-the-host" not in environ
@@ -166,9 +170,10 @@ async def test_the_supervisor_own_hostcall_variables_are_not_passed_on(
 async def test_with_origin_check_off_a_process_outside_the_tree_is_let_in(
     tmp_path: Path, ledger: Ledger
 ) -> None:
-    async with Supervisor(tmp_path / "s", origin_check=False) as sup, driven_guest(
-        sup, billing_plan(ledger)
-    ) as guest:
+    async with (
+        Supervisor(tmp_path / "s", origin_check=False) as sup,
+        driven_guest(sup, billing_plan(ledger)) as guest,
+    ):
         headers = identity_headers(guest.execution, await guest.credential())
         status, body = await asyncio.to_thread(
             raw_request, str(sup.socket_path), "GET", "/v1/plan", headers
@@ -180,9 +185,10 @@ async def test_with_origin_check_off_a_process_outside_the_tree_is_let_in(
 async def test_the_env_transport_hands_the_credential_through_the_environment(
     tmp_path: Path, ledger: Ledger
 ) -> None:
-    async with Supervisor(tmp_path / "s", credential_transport="env") as sup, driven_guest(
-        sup, billing_plan(ledger)
-    ) as guest:
+    async with (
+        Supervisor(tmp_path / "s", credential_transport="env") as sup,
+        driven_guest(sup, billing_plan(ledger)) as guest,
+    ):
         environ = Path(f"/proc/{guest.execution.guest_pid}/environ").read_bytes()
         reply = await guest.call("c1", "lookup", {"account": "a"})
     assert b"HOSTCALL_CREDENTIAL=" in environ

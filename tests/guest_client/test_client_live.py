@@ -48,10 +48,15 @@ async def test_a_retry_of_an_in_flight_call_long_polls_and_gets_the_single_resul
 ) -> None:
     plan = billing_plan(ledger)
     started = asyncio.get_running_loop().create_future()
-    run = asyncio.create_task(sup.run(
-        plan, [sys.executable, "-c", GUEST], stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, on_start=started.set_result,
-    ))
+    run = asyncio.create_task(
+        sup.run(
+            plan,
+            [sys.executable, "-c", GUEST],
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            on_start=started.set_result,
+        )
+    )
     async with asyncio.timeout(STEP_TIMEOUT_S * 2):
         execution = await started
         process = execution.process

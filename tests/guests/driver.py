@@ -97,7 +97,11 @@ def spawn_child(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ, HOSTCALL_CREDENTIAL=CREDENTIAL)
     child = subprocess.run(
         [sys.executable, __file__, "--one", json.dumps(spec)],
-        capture_output=True, text=True, timeout=60, check=False, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
     )
     answer: dict[str, Any] = json.loads(child.stdout)
     return answer

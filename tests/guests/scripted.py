@@ -1,13 +1,13 @@
 """A guest for CLI and crash tests; what it does is given in argv.
 
-    scripted.py exit N                 exit with N
-    scripted.py selfkill SIG           kill itself with signal SIG
-    scripted.py tree PIDFILE           start a child in its group and a setsid'd
-                                       grandchild, write all pids, then wait forever
-    scripted.py wait                   print "ready", wait for stdin to close, exit 0
-    scripted.py calls JSON             make the calls in JSON (a list of
-                                       [call_id, tool, args]) with guest_client and
-                                       print one JSON line per call
+scripted.py exit N                 exit with N
+scripted.py selfkill SIG           kill itself with signal SIG
+scripted.py tree PIDFILE           start a child in its group and a setsid'd
+                                   grandchild, write all pids, then wait forever
+scripted.py wait                   print "ready", wait for stdin to close, exit 0
+scripted.py calls JSON             make the calls in JSON (a list of
+                                   [call_id, tool, args]) with guest_client and
+                                   print one JSON line per call
 """
 
 from __future__ import annotations

@@ -51,9 +51,9 @@ async def test_concurrent_distinct_calls_cannot_overspend(tmp_path: Path, ledger
     plan = billing_plan(ledger, max_calls=5)
     async with Supervisor(tmp_path / "s") as sup, driven_guest(sup, plan) as guest:
         # The driver runs each command on its own thread and connection.
-        distinct = await asyncio.gather(*(
-            guest.call(f"d{i}", "lookup", {"account": str(i)}) for i in range(20)
-        ))
+        distinct = await asyncio.gather(
+            *(guest.call(f"d{i}", "lookup", {"account": str(i)}) for i in range(20))
+        )
     statuses = sorted(r["status"] for r in distinct)
     assert statuses == [200] * 5 + [429] * 15
     assert ledger.runs["lookup"] == 5

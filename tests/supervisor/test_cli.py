@@ -15,13 +15,13 @@ import pytest
 from tests.harness import STEP_TIMEOUT_S
 
 GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
-TOOLS = '''
+TOOLS = """
 from supervisor import tool
 
 @tool(reversibility="reversible")
 def echo(text: str) -> str:
     return text
-'''
+"""
 
 
 @pytest.fixture
@@ -35,21 +35,33 @@ def plan_file(tmp_path: Path) -> Path:
     return folder / "plan.toml"
 
 
-def hostcall(*args: str, timeout: float = STEP_TIMEOUT_S * 2, **kwargs: object) -> (
-    subprocess.CompletedProcess[str]
-):
+def hostcall(
+    *args: str, timeout: float = STEP_TIMEOUT_S * 2, **kwargs: object
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "supervisor.cli", *args],
-        capture_output=True, text=True, timeout=timeout, check=False, **kwargs,  # type: ignore[call-overload]
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        **kwargs,  # type: ignore[call-overload]
     )
 
 
-def run_guest(state: Path, plan: Path, *guest: str, extra: tuple[str, ...] = ()) -> (
-    subprocess.CompletedProcess[str]
-):
+def run_guest(
+    state: Path, plan: Path, *guest: str, extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     return hostcall(
-        "run", "--state-dir", str(state), "--plan", str(plan), *extra,
-        "--", sys.executable, str(GUEST), *guest,
+        "run",
+        "--state-dir",
+        str(state),
+        "--plan",
+        str(plan),
+        *extra,
+        "--",
+        sys.executable,
+        str(GUEST),
+        *guest,
     )
 
 
@@ -74,9 +86,7 @@ def test_a_timeout_exits_124_and_ends_the_whole_tree_including_a_setsid_grandchi
     tmp_path: Path, plan_file: Path
 ) -> None:
     pids_file = tmp_path / "pids.json"
-    done = run_guest(
-        tmp_path / "st", plan_file, "tree", str(pids_file), extra=("--timeout", "1")
-    )
+    done = run_guest(tmp_path / "st", plan_file, "tree", str(pids_file), extra=("--timeout", "1"))
     assert done.returncode == 124
     assert "timeout" in done.stderr
     pids = json.loads(pids_file.read_text())
@@ -129,12 +139,15 @@ def test_bad_options_exit_2_with_a_message(
     assert message in done.stderr
 
 
-def test_a_missing_command_exits_2_and_an_unknown_one_127(
-    tmp_path: Path, plan_file: Path
-) -> None:
+def test_a_missing_command_exits_2_and_an_unknown_one_127(tmp_path: Path, plan_file: Path) -> None:
     missing = hostcall("run", "--state-dir", str(tmp_path / "st"), "--plan", str(plan_file))
     unknown = hostcall(
-        "run", "--state-dir", str(tmp_path / "st"), "--plan", str(plan_file), "--",
+        "run",
+        "--state-dir",
+        str(tmp_path / "st"),
+        "--plan",
+        str(plan_file),
+        "--",
         str(tmp_path / "no-such-program"),
     )
     assert missing.returncode == 2
@@ -155,9 +168,24 @@ def test_a_second_supervisor_on_a_busy_state_dir_refuses_naming_the_holder(
 ) -> None:
     state = tmp_path / "st"
     with subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "run", "--state-dir", str(state),
-         "--plan", str(plan_file), "--", sys.executable, str(GUEST), "wait"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "run",
+            "--state-dir",
+            str(state),
+            "--plan",
+            str(plan_file),
+            "--",
+            sys.executable,
+            str(GUEST),
+            "wait",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     ) as first:
         try:
             assert first.stdout is not None and first.stdin is not None
@@ -189,8 +217,16 @@ def test_the_guest_output_passes_through_and_hostcall_variables_are_set(
     tmp_path: Path, plan_file: Path
 ) -> None:
     done = hostcall(
-        "run", "--state-dir", str(tmp_path / "st"), "--plan", str(plan_file),
-        "--invocation", "inv_env", "--", sys.executable, "-c",
+        "run",
+        "--state-dir",
+        str(tmp_path / "st"),
+        "--plan",
+        str(plan_file),
+        "--invocation",
+        "inv_env",
+        "--",
+        sys.executable,
+        "-c",
         "import os; print(os.environ['HOSTCALL_INVOCATION'], os.environ['HOSTCALL_PLAN'][:7],"
         " os.path.exists(os.environ['HOSTCALL_SOCKET']))",
         env={**os.environ, "HOSTCALL_STATE_DIR": str(tmp_path / "ignored")},

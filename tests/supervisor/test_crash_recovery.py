@@ -19,7 +19,7 @@ import pytest
 from tests.harness import STEP_TIMEOUT_S
 
 GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
-TOOLS = '''
+TOOLS = """
 import os, socket, threading
 from supervisor import tool
 
@@ -44,7 +44,7 @@ def hang(account: str) -> str:
         s.sendall(b"started")
     threading.Event().wait(120)                 # the supervisor dies before this ends
     return "finished"
-'''
+"""
 PLAN = """
 [plan]
 name = "crash"
@@ -70,9 +70,21 @@ def plan_file(tmp_path: Path) -> Path:
 
 def _run_cmd(state: Path, plan: Path, calls: list[list[object]]) -> list[str]:
     return [
-        sys.executable, "-m", "supervisor.cli", "run", "--state-dir", str(state),
-        "--plan", str(plan), "--invocation", "inv_crash", "--",
-        sys.executable, str(GUEST), "calls", json.dumps(calls),
+        sys.executable,
+        "-m",
+        "supervisor.cli",
+        "run",
+        "--state-dir",
+        str(state),
+        "--plan",
+        str(plan),
+        "--invocation",
+        "inv_crash",
+        "--",
+        sys.executable,
+        str(GUEST),
+        "calls",
+        json.dumps(calls),
     ]
 
 
@@ -82,15 +94,21 @@ def test_after_kill_9_mid_handler_a_resumed_invocation_replays_commits_and_repor
     state, ledger = tmp_path / "st", tmp_path / "ledger.txt"
     signal_path = tmp_path / "signal.sock"
     env = {**os.environ, "LEDGER": str(ledger), "SIGNAL_SOCKET": str(signal_path)}
-    calls = [["c1", "charge", {"account": "alice", "cents": 500}],
-             ["h1", "hang", {"account": "bob"}]]
+    calls = [
+        ["c1", "charge", {"account": "alice", "cents": 500}],
+        ["h1", "hang", {"account": "bob"}],
+    ]
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(str(signal_path))
         listener.listen(1)
         listener.settimeout(STEP_TIMEOUT_S)
         with subprocess.Popen(
-            _run_cmd(state, plan_file, calls), env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, start_new_session=True,
+            _run_cmd(state, plan_file, calls),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         ) as first:
             assert first.stdout is not None
             guest_pid = json.loads(first.stdout.readline())["pid"]
@@ -102,10 +120,14 @@ def test_after_kill_9_mid_handler_a_resumed_invocation_replays_commits_and_repor
             os.kill(guest_pid, signal.SIGKILL)  # the orphaned guest of the dead run
     assert committed == {"call_id": "c1", "result": {"charge_id": "ch_alice", "cents": 500}}
 
-    again = calls + [["plan", "__plan__", {}]]
+    again = [*calls, ["plan", "__plan__", {}]]
     second = subprocess.run(
-        _run_cmd(state, plan_file, again), env=env, capture_output=True, text=True,
-        timeout=STEP_TIMEOUT_S * 2, check=False,
+        _run_cmd(state, plan_file, again),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT_S * 2,
+        check=False,
     )
     assert second.returncode == 0, second.stderr
     lines = [json.loads(line) for line in second.stdout.splitlines()[1:]]
