@@ -89,13 +89,8 @@ def test_a_timeout_exits_124_and_ends_the_whole_tree_including_a_setsid_grandchi
     done = run_guest(tmp_path / "st", plan_file, "tree", str(pids_file), extra=("--timeout", "1"))
     assert done.returncode == 124
     assert "timeout" in done.stderr
-    pids = json.loads(pids_file.read_text())
-    for name, pid in pids.items():
-        try:
-            alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            alive = False
-        assert not alive, f"{name} ({pid}) survived"
+    for name, pid in json.loads(pids_file.read_text()).items():
+        assert not _alive(pid), f"{name} ({pid}) survived"
 
 
 def test_the_json_summary_is_machine_readable(tmp_path: Path, plan_file: Path) -> None:
@@ -233,3 +228,27 @@ def test_the_guest_output_passes_through_and_hostcall_variables_are_set(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["inv_env", "sha256:", "True"]
+
+
+def test_sigterm_to_hostcall_stops_the_guest_tree_and_exits_128_plus_15(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    pids_file = tmp_path / "pids.json"
+    with subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "run", "--state-dir", str(tmp_path / "st"),
+         "--plan", str(plan_file), "--", sys.executable, str(GUEST), "tree", str(pids_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as hostcall_process:
+        assert hostcall_process.stdout is not None
+        assert hostcall_process.stdout.readline().strip() == "ready"
+        hostcall_process.send_signal(signal.SIGTERM)
+        assert hostcall_process.wait(timeout=STEP_TIMEOUT_S) == 128 + signal.SIGTERM
+    for name, pid in json.loads(pids_file.read_text()).items():
+        assert not _alive(pid), f"{name} ({pid}) survived"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
