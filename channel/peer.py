@@ -63,12 +63,11 @@ def is_in_guest_tree(peer: PeerCredentials, guest_pid: int) -> bool:
     """Whether the peer has our uid and is the guest or one of its descendants."""
     if peer.uid != os.getuid() or peer.pid <= 0:
         return False
+    if peer.pid == guest_pid:
+        # Our own unreaped child: its pid cannot have been reused.
+        return True
     try:
-        process = psutil.Process(peer.pid)
-        if peer.pid == guest_pid:
-            found = True
-        else:
-            found = any(parent.pid == guest_pid for parent in process.parents())
+        found = any(parent.pid == guest_pid for parent in psutil.Process(peer.pid).parents())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
     if found and peer.pidfd is not None:

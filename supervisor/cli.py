@@ -188,8 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `hostcall … | head`: the reader left; say nothing more.
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the exit-time flush
+        return 1
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(BrokenPipeError):
-        sys.exit(main())
+    sys.exit(main())

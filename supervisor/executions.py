@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from supervisor.broker import Broker
@@ -58,6 +59,9 @@ class ExecutionTable:
     def lookup(self, execution_id: str) -> Execution | None:
         """The execution with this id, live or not."""
         return self._by_id.get(execution_id)
+
+    def __iter__(self) -> Iterator[Execution]:
+        return iter(list(self._by_id.values()))
 
     def of_invocation(self, invocation_id: str) -> list[Execution]:
         """Executions of one invocation, oldest first."""

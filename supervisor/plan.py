@@ -70,8 +70,8 @@ def _import_handler(path: str, folder: Path) -> Callable[..., Any]:
         target: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise PlanError(f"cannot import handler {path!r}: {exc}") from exc
+    except Exception as exc:  # boundary: importing runs the user's module, which may raise anything
+        raise PlanError(f"cannot import handler {path!r}: {exc!r}") from exc
     if not callable(target):
         raise PlanError(f"handler {path!r} is not callable")
     return target  # type: ignore[no-any-return]
@@ -109,7 +109,9 @@ class Plan:
             max_calls=max_calls,
             max_cost=max_cost,
             deadline_s=deadline_s,
-            tool_max_calls={t.name: t.max_calls for t in resolved.values() if t.max_calls is not None},
+            tool_max_calls={
+                t.name: t.max_calls for t in resolved.values() if t.max_calls is not None
+            },
         )
         self.plan_hash = "sha256:" + sha256_hex(jcs(self.resolved()))
 

@@ -190,7 +190,7 @@ class Supervisor:
 
     async def aclose(self) -> None:
         """Stop serving and release everything. Idempotent."""
-        for execution in list(self._executions._by_id.values()):
+        for execution in self._executions:
             execution.end()
         if self._channel is not None:
             channel, self._channel = self._channel, None

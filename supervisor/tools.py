@@ -14,7 +14,7 @@ import inspect
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
 
@@ -70,6 +70,27 @@ class ToolOptions:
     input_model: type[BaseModel] | None = None
 
 
+@overload
+def tool(func: F, /) -> F: ...
+
+
+@overload
+def tool(
+    func: None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    reversibility: Reversibility | None = None,
+    approval: Approval | None = None,
+    cost: float | None = None,
+    timeout_s: float | None = None,
+    target_args: Iterable[str] | None = None,
+    max_calls: int | None = None,
+    input_model: type[BaseModel] | None = None,
+) -> Callable[[F], F]: ...
+
+
 def tool(
     func: F | None = None,
     /,
@@ -83,7 +104,7 @@ def tool(
     target_args: Iterable[str] | None = None,
     max_calls: int | None = None,
     input_model: type[BaseModel] | None = None,
-) -> Any:
+) -> F | Callable[[F], F]:
     """Tag a handler as a tool. Usable bare (``@tool``) or with options.
 
     The function is returned unchanged apart from the tag, so it stays
@@ -208,7 +229,9 @@ class Tool:
         target_args = tuple(pick("target_args", ()))
         unknown_targets = set(target_args) - set(input_model.model_fields)
         if unknown_targets:
-            raise PlanError(f"tool {name!r}: target_args {sorted(unknown_targets)} not in its input")
+            raise PlanError(
+                f"tool {name!r}: target_args {sorted(unknown_targets)} not in its input"
+            )
         return cls(
             name=name,
             handler=handler,
@@ -322,9 +345,7 @@ def _input_model(
         default = ... if param.default is param.empty else param.default
         fields[param.name] = (annotation, default)
     try:
-        model = create_model(
-            f"{name}_input", __config__=ConfigDict(extra="forbid"), **fields
-        )
+        model = create_model(f"{name}_input", __config__=ConfigDict(extra="forbid"), **fields)
     except Exception as exc:  # pydantic raises several types for bad annotations
         raise PlanError(f"tool {name!r}: cannot build an input schema: {exc}") from exc
     return model, None
@@ -340,9 +361,9 @@ def _output(
     if "return" not in hints or hints["return"] is Any:
         return None, None
     annotation = hints["return"]
-    if typing.get_origin(annotation) is collections.abc.Awaitable or inspect.isclass(
-        annotation
-    ) and issubclass(annotation, collections.abc.Awaitable):
+    if typing.get_origin(annotation) is collections.abc.Awaitable or (
+        inspect.isclass(annotation) and issubclass(annotation, collections.abc.Awaitable)
+    ):
         return None, None
     if _is_lazy(annotation):
         # A lazy result is consumed inside the dispatch: the guest sees a list.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from supervisor.plan import BudgetLimits
 
@@ -89,11 +89,15 @@ class InvocationRecord:
     used: BudgetUse
 
 
+_COST_EPSILON: Final = 1e-9
+
+
 def budget_allows(limits: BudgetLimits, used: BudgetUse, tool: str, cost: float) -> bool:
     """Whether one more call of ``tool`` costing ``cost`` fits the budget."""
     if limits.max_calls is not None and used.calls + 1 > limits.max_calls:
         return False
-    if limits.max_cost is not None and used.cost + cost > limits.max_cost:
+    # Costs are floats: 0.1 + 0.2 must fit a max_cost of 0.3.
+    if limits.max_cost is not None and used.cost + cost > limits.max_cost + _COST_EPSILON:
         return False
     tool_limit = (limits.tool_max_calls or {}).get(tool)
     tool_used = (used.tool_calls or {}).get(tool, 0)

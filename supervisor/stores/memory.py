@@ -59,7 +59,9 @@ class MemoryEffectStore:
             return sorted(self._invocations.values(), key=lambda r: r.created_at)
 
     def _use(self, invocation_id: str, tool: str, calls: int, cost: float) -> None:
-        record = self._invocations[invocation_id]
+        record = self._invocations.get(invocation_id)
+        if record is None:
+            return
         tool_calls = dict(record.used.tool_calls or {})
         tool_calls[tool] = tool_calls.get(tool, 0) + calls
         used = BudgetUse(record.used.calls + calls, record.used.cost + cost, tool_calls)
@@ -69,7 +71,8 @@ class MemoryEffectStore:
         self, invocation_id: str, tool: str, cost: float, limits: BudgetLimits
     ) -> bool:
         with self._lock:
-            if not budget_allows(limits, self._invocations[invocation_id].used, tool, cost):
+            record = self._invocations.get(invocation_id)
+            if record is None or not budget_allows(limits, record.used, tool, cost):
                 return False
             self._use(invocation_id, tool, 1, cost)
             return True

@@ -130,9 +130,7 @@ class SQLiteEffectStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._queue: queue.SimpleQueue[tuple[_Op, asyncio.Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[tuple[_Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -141,9 +139,14 @@ class SQLiteEffectStore:
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA synchronous = FULL")
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.executescript(_SCHEMA)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _serve(self, conn: sqlite3.Connection) -> None:
@@ -194,6 +197,8 @@ class SQLiteEffectStore:
     async def _run(self, op: Callable[[sqlite3.Connection], T]) -> T:
         if self._thread is None or self._loop is None:
             raise RuntimeError("SQLiteEffectStore used before open() or after close()")
+        if not self._thread.is_alive():
+            raise StoreUnavailable(f"effect store {self.path}: its writer thread has stopped")
         future: asyncio.Future[T] = self._loop.create_future()
         self._queue.put((op, future))
         try:
@@ -208,8 +213,7 @@ class SQLiteEffectStore:
             raise RuntimeError("SQLiteEffectStore.open() called twice")
         try:
             conn = await asyncio.to_thread(self._connect)
-            await asyncio.to_thread(conn.executescript, _SCHEMA)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:  # OSError: the folder cannot be made
             raise StoreUnavailable(f"cannot open effect store {self.path}: {exc}") from exc
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(
@@ -232,7 +236,11 @@ class SQLiteEffectStore:
                 "UPDATE effects SET status = 'unknown' WHERE status = 'pending'"
             ).rowcount
 
-        return await self._run(migrate_and_recover)
+        try:
+            return await self._run(migrate_and_recover)
+        except BaseException:
+            await self.close()  # a store that failed to open holds no thread
+            raise
 
     async def close(self) -> None:
         thread, self._thread = self._thread, None
@@ -352,7 +360,8 @@ class SQLiteEffectStore:
     async def release(self, invocation_id: str, call_id: str) -> None:
         await self._run(
             lambda conn: conn.execute(
-                "DELETE FROM effects WHERE invocation_id = ? AND call_id = ? AND status = 'pending'",
+                "DELETE FROM effects"
+                " WHERE invocation_id = ? AND call_id = ? AND status = 'pending'",
                 (invocation_id, call_id),
             )
         )
@@ -370,14 +379,17 @@ class SQLiteEffectStore:
 
 
 def _use(conn: sqlite3.Connection, invocation_id: str, tool: str, calls: int, cost: float) -> None:
-    conn.execute(
+    updated = conn.execute(
         "UPDATE invocations SET calls_used = calls_used + ?, cost_used = cost_used + ?"
         " WHERE invocation_id = ?",
         (calls, cost, invocation_id),
-    )
+    ).rowcount
+    if updated != 1:
+        return  # no such invocation: no per-tool row for one that may be opened later
     conn.execute(
         "INSERT INTO tool_usage (invocation_id, tool, calls_used) VALUES (?, ?, ?)"
-        " ON CONFLICT (invocation_id, tool) DO UPDATE SET calls_used = calls_used + excluded.calls_used",
+        " ON CONFLICT (invocation_id, tool)"
+        " DO UPDATE SET calls_used = calls_used + excluded.calls_used",
         (invocation_id, tool, calls),
     )
 

@@ -235,9 +235,24 @@ def test_sigterm_to_hostcall_stops_the_guest_tree_and_exits_128_plus_15(
 ) -> None:
     pids_file = tmp_path / "pids.json"
     with subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "run", "--state-dir", str(tmp_path / "st"),
-         "--plan", str(plan_file), "--", sys.executable, str(GUEST), "tree", str(pids_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "run",
+            "--state-dir",
+            str(tmp_path / "st"),
+            "--plan",
+            str(plan_file),
+            "--",
+            sys.executable,
+            str(GUEST),
+            "tree",
+            str(pids_file),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     ) as hostcall_process:
         assert hostcall_process.stdout is not None
         assert hostcall_process.stdout.readline().strip() == "ready"

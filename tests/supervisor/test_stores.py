@@ -1,0 +1,828 @@
+"""The EffectStore contract (SPEC §6), run against every implementation.
+
+One conformance suite, in the manner of Trio's ``check_two_way_stream``: each
+backend below is a small adapter that knows how to make a store, how to make
+a second instance on the same storage and how to "restart" it; every contract
+test runs once per backend through the parametrized ``backend`` fixture. A
+new implementation (PostgreSQL) joins by adding its adapter to ``BACKENDS``.
+
+The tests after the contract section check what only the SQLite store
+promises: durability across a real reopen, one ``open()`` per instance,
+group commit that isolates a failing operation, and driver errors as
+``StoreUnavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from supervisor.errors import StoreUnavailable
+from supervisor.plan import BudgetLimits
+from supervisor.stores import (
+    EffectRecord,
+    EffectStatus,
+    EffectStore,
+    MemoryEffectStore,
+    SQLiteEffectStore,
+    StartCall,
+)
+
+#: Upper bound for any one step of a test; every await runs under it.
+STEP_S = 10.0
+INV = "inv_1"
+KEY = "k" * 64
+
+
+# -- backends -------------------------------------------------------------------
+
+
+class Backend:
+    """How the suite makes, shares and restarts one kind of store."""
+
+    name: ClassVar[str]
+    #: Whether two instances see the same records (several processes or hosts).
+    shared: ClassVar[bool]
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self._opened: list[EffectStore] = []
+
+    def make(self) -> EffectStore:
+        """A new, unopened instance on this backend's storage."""
+        raise NotImplementedError
+
+    async def open_new(self) -> EffectStore:
+        """A new instance, opened; closed when the test ends."""
+        store = self.make()
+        self._opened.append(store)
+        await store.open()
+        return store
+
+    async def restart(self, store: EffectStore) -> tuple[EffectStore, int]:
+        """What a supervisor restart does: close, open again; the ``open()`` count too."""
+        await store.close()
+        fresh = self.make()
+        self._opened.append(fresh)
+        return fresh, await fresh.open()
+
+    async def close_all(self) -> None:
+        for store in self._opened:
+            await store.close()
+
+
+class MemoryBackend(Backend):
+    name = "memory"
+    shared = False
+
+    def __init__(self, tmp_path: Path) -> None:
+        super().__init__(tmp_path)
+        self._store = MemoryEffectStore()
+
+    def make(self) -> EffectStore:
+        # Its storage is the instance itself: "another instance" is the same one.
+        return self._store
+
+    async def restart(self, store: EffectStore) -> tuple[EffectStore, int]:
+        # Nothing outlives the process; what a restart can show is open()'s recovery.
+        return store, await store.open()
+
+
+class SQLiteBackend(Backend):
+    name = "sqlite"
+    shared = True
+
+    def make(self) -> EffectStore:
+        return SQLiteEffectStore(self.tmp_path / "effects.db")
+
+
+# A PostgreSQL adapter joins as pytest.param(PostgresBackend, marks=pytest.mark.postgres).
+BACKENDS: list[Any] = [MemoryBackend, SQLiteBackend]
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda kind: kind.name)
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    made: Backend = request.param(tmp_path)
+    try:
+        yield made
+    finally:
+        async with asyncio.timeout(STEP_S):
+            await made.close_all()
+
+
+# Backends whose instances share their records (several processes or hosts).
+SHARED_BACKENDS: list[Any] = [SQLiteBackend]
+
+
+@pytest.fixture(params=SHARED_BACKENDS, ids=lambda kind: kind.name)
+async def shared_backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    made: Backend = request.param(tmp_path)
+    assert made.shared
+    try:
+        yield made
+    finally:
+        async with asyncio.timeout(STEP_S):
+            await made.close_all()
+
+
+@pytest.fixture
+async def store(backend: Backend) -> EffectStore:
+    async with asyncio.timeout(STEP_S):
+        opened = await backend.open_new()
+        await opened.open_invocation(INV, "sha256:" + "0" * 64, None, 0.0)
+        return opened
+
+
+def start(
+    call_id: str = "c1",
+    *,
+    tool: str = "charge",
+    key: str = KEY,
+    execution: str = "exe_1",
+    reversible: bool = False,
+    invocation: str = INV,
+) -> StartCall:
+    return StartCall(invocation, call_id, tool, key, execution, reversible)
+
+
+async def unknown_record(store: EffectStore, call_id: str = "c1", **kwargs: Any) -> EffectRecord:
+    """A record whose outcome is in doubt, made the way the broker makes one."""
+    assert (await store.begin(start(call_id, **kwargs), 1.0)).won
+    await store.mark_unknown(INV, call_id, 2.0)
+    record = await store.get(INV, call_id)
+    assert record is not None
+    assert record.status is EffectStatus.UNKNOWN
+    return record
+
+
+RESPONSE = {"status": "ok", "call_id": "c1", "effect": "executed", "result": {"ids": [1, "x"]}}
+
+
+# -- begin --------------------------------------------------------------------------
+
+
+async def test_begin_inserts_a_pending_record_and_wins(store: EffectStore) -> None:
+    async with asyncio.timeout(STEP_S):
+        begun = await store.begin(start(), 5.0)
+        stored = await store.get(INV, "c1")
+
+    assert begun.won is True
+    assert begun.record == stored
+    assert begun.record == EffectRecord(
+        INV, "c1", "charge", KEY, EffectStatus.PENDING, "exe_1", None, 5.0, 5.0
+    )
+
+
+async def test_begin_on_an_existing_record_returns_it_unchanged_and_loses(
+    store: EffectStore,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        first = await store.begin(start(), 1.0)
+        again = await store.begin(start(execution="exe_2"), 2.0)
+        reversible_again = await store.begin(start(execution="exe_3", reversible=True), 3.0)
+
+    assert first.won is True
+    assert again.won is False
+    assert again.record == first.record  # still exe_1's, still created at 1.0
+    assert reversible_again.won is False  # pending is running now, even for a reversible tool
+    assert reversible_again.record == first.record
+
+
+async def test_begin_on_a_committed_record_returns_it_with_its_response(store: EffectStore) -> None:
+    async with asyncio.timeout(STEP_S):
+        await store.begin(start(), 1.0)
+        await store.commit(INV, "c1", RESPONSE, 2.0)
+        before = await store.get(INV, "c1")
+        for reversible in (False, True):
+            again = await store.begin(start(execution="exe_2", reversible=reversible), 3.0)
+            assert again.won is False
+            assert again.record == before
+        assert await store.get(INV, "c1") == before
+
+
+async def test_begin_turns_unknown_back_into_pending_for_a_reversible_tool(
+    store: EffectStore,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        await unknown_record(store)
+        begun = await store.begin(start(execution="exe_2", reversible=True), 9.0)
+        stored = await store.get(INV, "c1")
+
+    assert begun.won is True
+    assert begun.record == stored
+    assert begun.record.status is EffectStatus.PENDING
+    assert begun.record.execution_id == "exe_2"
+    assert (begun.record.created_at, begun.record.updated_at) == (1.0, 9.0)
+
+
+async def test_begin_leaves_unknown_alone_for_a_tool_that_is_not_reversible(
+    store: EffectStore,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        before = await unknown_record(store)
+        begun = await store.begin(start(execution="exe_2", reversible=False), 9.0)
+
+        assert begun.won is False
+        assert begun.record == before
+        assert await store.get(INV, "c1") == before
+
+
+@pytest.mark.parametrize(
+    "other", [{"tool": "refund"}, {"key": "z" * 64}], ids=["other-tool", "other-key"]
+)
+async def test_begin_leaves_unknown_alone_when_tool_or_key_differ(
+    store: EffectStore, other: dict[str, str]
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        before = await unknown_record(store)
+        begun = await store.begin(start(execution="exe_2", reversible=True, **other), 9.0)
+
+        assert begun.won is False
+        assert begun.record == before
+        assert await store.get(INV, "c1") == before
+
+
+async def test_records_are_keyed_by_invocation_and_call_id(store: EffectStore) -> None:
+    async with asyncio.timeout(STEP_S):
+        await store.open_invocation("inv_2", "sha256:" + "0" * 64, None, 0.0)
+        a = await store.begin(start("c1"), 1.0)
+        b = await store.begin(start("c1", invocation="inv_2"), 1.0)
+        c = await store.begin(start("c2"), 1.0)
+
+        assert (a.won, b.won, c.won) == (True, True, True)
+        assert await store.get("inv_2", "c2") is None
+        assert await store.get("inv_nope", "c1") is None
+
+
+async def test_exactly_one_of_many_concurrent_begins_wins(store: EffectStore) -> None:
+    async with asyncio.timeout(STEP_S):
+        results = await asyncio.gather(
+            *(store.begin(start(execution=f"exe_{i}"), float(i)) for i in range(50))
+        )
+
+    winners = [r for r in results if r.won]
+    assert len(winners) == 1
+    assert {r.record for r in results} == {winners[0].record}
+
+
+async def test_exactly_one_of_many_concurrent_reversible_retries_of_an_unknown_wins(
+    store: EffectStore,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        await unknown_record(store)
+        results = await asyncio.gather(
+            *(
+                store.begin(start(execution=f"exe_{i}", reversible=True), 10.0 + i)
+                for i in range(50)
+            )
+        )
+        stored = await store.get(INV, "c1")
+
+    winners = [r for r in results if r.won]
+    assert len(winners) == 1
+    assert winners[0].record == stored
+    assert all(r.record == stored for r in results)
+
+
+async def test_exactly_one_begin_wins_across_two_instances_in_two_threads(
+    shared_backend: Backend,
+) -> None:
+    backend = shared_backend
+    calls = [f"c{i}" for i in range(20)]
+    # Both stores are open before either begins: a later open() would turn the
+    # other's pending rows unknown, as it must after a crash.
+    both_open = threading.Barrier(2, timeout=STEP_S)
+
+    async def race(execution: str) -> list[str]:
+        instance = backend.make()
+        await instance.open()
+        try:
+            await instance.open_invocation(INV, "sha256:" + "0" * 64, None, 0.0)
+            await asyncio.to_thread(both_open.wait)
+            results = await asyncio.gather(
+                *(instance.begin(start(c, execution=execution), 1.0) for c in calls)
+            )
+            return [r.record.call_id for r in results if r.won]
+        finally:
+            await instance.close()
+
+    def in_own_loop(execution: str) -> list[str]:
+        async def bounded() -> list[str]:
+            async with asyncio.timeout(STEP_S):
+                return await race(execution)
+
+        return asyncio.run(bounded())
+
+    async with asyncio.timeout(STEP_S * 2):
+        won_a, won_b = await asyncio.gather(
+            asyncio.to_thread(in_own_loop, "exe_a"), asyncio.to_thread(in_own_loop, "exe_b")
+        )
+        check = await backend.open_new()
+        records = {c: await check.get(INV, c) for c in calls}
+
+    assert sorted(won_a + won_b) == sorted(calls)  # each call won once, by one of them
+    for call_id, record in records.items():
+        assert record is not None
+        assert record.execution_id == ("exe_a" if call_id in won_a else "exe_b")
+
+
+# -- commit, mark_unknown, release -----------------------------------------------------
+
+
+async def test_commit_stores_the_response_of_a_pending_record(store: EffectStore) -> None:
+    async with asyncio.timeout(STEP_S):
+        await store.begin(start(), 1.0)
+        await store.commit(INV, "c1", RESPONSE, 2.0)
+        record = await store.get(INV, "c1")
+
+    assert record is not None
+    assert record.status is EffectStatus.COMMITTED
+    assert record.response == RESPONSE
+    assert (record.created_at, record.updated_at) == (1.0, 2.0)
+
+
+async def test_mark_unknown_records_doubt_about_a_pending_record(store: EffectStore) -> None:
+    async with asyncio.timeout(STEP_S):
+        await store.begin(start(), 1.0)
+        await store.mark_unknown(INV, "c1", 2.0)
+        record = await store.get(INV, "c1")
+
+    assert record is not None
+    assert (record.status, record.response, record.updated_at) == (EffectStatus.UNKNOWN, None, 2.0)
+
+
+async def test_release_deletes_a_pending_record_so_the_call_may_begin_again(
+    store: EffectStore,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        await store.begin(start(), 1.0)
+        await store.release(INV, "c1")
+        gone = await store.get(INV, "c1")
+        again = await store.begin(start(execution="exe_2"), 3.0)
+
+    assert gone is None
+    assert again.won is True
+    assert (again.record.execution_id, again.record.created_at) == ("exe_2", 3.0)
+
+
+def _commit(store: EffectStore) -> Coroutine[Any, Any, None]:
+    return store.commit(INV, "c1", {"status": "late"}, 50.0)
+
+
+def _mark_unknown(store: EffectStore) -> Coroutine[Any, Any, None]:
+    return store.mark_unknown(INV, "c1", 50.0)
+
+
+def _release(store: EffectStore) -> Coroutine[Any, Any, None]:
+    return store.release(INV, "c1")
+
+
+async def _to_committed(store: EffectStore) -> None:
+    await store.begin(start(), 1.0)
+    await store.commit(INV, "c1", RESPONSE, 2.0)
+
+
+async def _to_unknown(store: EffectStore) -> None:
+    await unknown_record(store)
+
+
+@pytest.mark.parametrize("settle", [_commit, _mark_unknown, _release])
+@pytest.mark.parametrize("prepare", [_to_committed, _to_unknown], ids=["committed", "unknown"])
+async def test_commit_mark_unknown_and_release_act_only_on_pending_records(
+    store: EffectStore,
+    prepare: Callable[[EffectStore], Coroutine[Any, Any, None]],
+    settle: Callable[[EffectStore], Coroutine[Any, Any, None]],
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        await prepare(store)
+        before = await store.get(INV, "c1")
+        await settle(store)
+        after = await store.get(INV, "c1")
+
+    assert before is not None
+    assert after == before
+
+
+@pytest.mark.parametrize("settle", [_commit, _mark_unknown, _release])
+async def test_settling_a_call_that_has_no_record_creates_none(
+    store: EffectStore, settle: Callable[[EffectStore], Coroutine[Any, Any, None]]
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        await settle(store)
+        assert await store.get(INV, "c1") is None
+        assert await store.calls(INV) == []
+
+
+async def test_calls_lists_an_invocations_records_oldest_first(store: EffectStore) -> None:
+    async with asyncio.timeout(STEP_S):
+        await store.open_invocation("inv_2", "sha256:" + "0" * 64, None, 0.0)
+        for now, call_id in [(3.0, "a"), (1.0, "z"), (2.0, "m"), (4.0, "gone")]:
+            await store.begin(start(call_id), now)
+        await store.begin(start("other", invocation="inv_2"), 0.5)
+        await store.commit(INV, "m", RESPONSE, 5.0)
+        await store.mark_unknown(INV, "a", 5.0)
+        await store.release(INV, "gone")
+        listed = await store.calls(INV)
+
+    assert [(r.call_id, r.status) for r in listed] == [
+        ("z", EffectStatus.PENDING),
+        ("m", EffectStatus.COMMITTED),
+        ("a", EffectStatus.UNKNOWN),
+    ]
+    assert listed[1].response == RESPONSE
+
+
+async def test_calls_of_an_invocation_without_records_is_empty(store: EffectStore) -> None:
+    async with asyncio.timeout(STEP_S):
+        assert await store.calls(INV) == []
+        assert await store.calls("inv_never") == []
+
+
+# -- invocations ------------------------------------------------------------------------
+
+
+async def test_open_invocation_creates_once_then_returns_the_existing_one(
+    backend: Backend,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        store = await backend.open_new()
+        created, was_created = await store.open_invocation("inv_a", "sha256:aa", 100.0, 1.0)
+        again, created_again = await store.open_invocation("inv_a", "sha256:bb", None, 2.0)
+        fetched = await store.get_invocation("inv_a")
+        missing = await store.get_invocation("inv_missing")
+
+    assert (was_created, created_again) == (True, False)
+    assert (created.invocation_id, created.plan_hash) == ("inv_a", "sha256:aa")
+    assert (created.created_at, created.deadline_at) == (1.0, 100.0)
+    assert (created.used.calls, created.used.cost, dict(created.used.tool_calls or {})) == (
+        0,
+        0.0,
+        {},
+    )
+    assert again == created  # the first plan and deadline stand
+    assert fetched == created
+    assert missing is None
+
+
+async def test_list_invocations_returns_them_oldest_first(backend: Backend) -> None:
+    async with asyncio.timeout(STEP_S):
+        store = await backend.open_new()
+        for now, invocation in [(2.0, "inv_b"), (1.0, "inv_c"), (3.0, "inv_a")]:
+            await store.open_invocation(invocation, "sha256:x", None, now)
+        listed = await store.list_invocations()
+
+    assert [i.invocation_id for i in listed] == ["inv_c", "inv_b", "inv_a"]
+
+
+# -- budgets ------------------------------------------------------------------------------
+
+
+async def test_reserve_takes_calls_until_max_calls_then_refuses(store: EffectStore) -> None:
+    limits = BudgetLimits(max_calls=3)
+    async with asyncio.timeout(STEP_S):
+        taken = [await store.reserve(INV, "charge", 1.0, limits) for _ in range(5)]
+        record = await store.get_invocation(INV)
+
+    assert taken == [True, True, True, False, False]
+    assert record is not None
+    assert (record.used.calls, record.used.cost) == (3, 3.0)
+    assert dict(record.used.tool_calls or {}) == {"charge": 3}
+
+
+async def test_reserve_respects_max_cost(store: EffectStore) -> None:
+    limits = BudgetLimits(max_cost=25)
+    async with asyncio.timeout(STEP_S):
+        taken = [await store.reserve(INV, "charge", 10, limits) for _ in range(3)]
+        free = await store.reserve(INV, "lookup", 0, limits)
+        cheap = await store.reserve(INV, "lookup", 5, limits)
+        over = await store.reserve(INV, "lookup", 0.5, limits)
+
+    assert taken == [True, True, False]
+    assert (free, cheap, over) == (True, True, False)
+
+
+async def test_reserve_respects_a_per_tool_max_calls(store: EffectStore) -> None:
+    limits = BudgetLimits(max_calls=10, tool_max_calls={"charge": 2})
+    async with asyncio.timeout(STEP_S):
+        charges = [await store.reserve(INV, "charge", 0, limits) for _ in range(3)]
+        lookups = [await store.reserve(INV, "lookup", 0, limits) for _ in range(3)]
+        record = await store.get_invocation(INV)
+
+    assert charges == [True, True, False]
+    assert lookups == [True, True, True]
+    assert record is not None
+    assert dict(record.used.tool_calls or {}) == {"charge": 2, "lookup": 3}
+
+
+async def test_budgets_belong_to_each_invocation(store: EffectStore) -> None:
+    limits = BudgetLimits(max_calls=1)
+    async with asyncio.timeout(STEP_S):
+        await store.open_invocation("inv_2", "sha256:x", None, 0.0)
+        first = await store.reserve(INV, "charge", 0, limits)
+        other = await store.reserve("inv_2", "charge", 0, limits)
+        second = await store.reserve(INV, "charge", 0, limits)
+
+    assert (first, other, second) == (True, True, False)
+
+
+async def test_reserve_for_an_invocation_that_was_never_opened_says_no(
+    store: EffectStore,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        assert await store.reserve("inv_never", "charge", 0, BudgetLimits()) is False
+        assert await store.get_invocation("inv_never") is None
+
+
+async def test_refund_for_an_invocation_that_was_never_opened_changes_nothing(
+    store: EffectStore,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        await store.refund("inv_later", "charge", 10)
+        assert await store.get_invocation("inv_later") is None
+        later, _ = await store.open_invocation("inv_later", "sha256:x", None, 1.0)
+
+    assert (later.used.calls, later.used.cost, dict(later.used.tool_calls or {})) == (0, 0.0, {})
+
+
+async def test_refund_gives_a_reservation_back(store: EffectStore) -> None:
+    limits = BudgetLimits(max_calls=2, max_cost=20, tool_max_calls={"charge": 2})
+    async with asyncio.timeout(STEP_S):
+        assert await store.reserve(INV, "charge", 10, limits)
+        assert await store.reserve(INV, "charge", 10, limits)
+        assert not await store.reserve(INV, "charge", 10, limits)
+        await store.refund(INV, "charge", 10)
+        record = await store.get_invocation(INV)
+        assert await store.reserve(INV, "charge", 10, limits)
+        assert not await store.reserve(INV, "charge", 10, limits)
+
+    assert record is not None
+    assert (record.used.calls, record.used.cost) == (1, 10.0)
+    assert dict(record.used.tool_calls or {}) == {"charge": 1}
+
+
+@pytest.mark.parametrize(
+    ("limits", "cost"),
+    [
+        pytest.param(BudgetLimits(max_calls=10), 0.0, id="max_calls"),
+        pytest.param(BudgetLimits(max_cost=30), 3.0, id="max_cost"),
+        pytest.param(BudgetLimits(tool_max_calls={"charge": 10}), 0.0, id="tool_max_calls"),
+    ],
+)
+async def test_concurrent_reserves_cannot_overspend(
+    store: EffectStore, limits: BudgetLimits, cost: float
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        taken = await asyncio.gather(
+            *(store.reserve(INV, "charge", cost, limits) for _ in range(50))
+        )
+        record = await store.get_invocation(INV)
+
+    assert taken.count(True) == 10
+    assert record is not None
+    assert record.used.calls == 10
+    assert record.used.cost == pytest.approx(10 * cost)
+
+
+# -- open(): recovery after a crash ---------------------------------------------------------
+
+
+async def test_open_turns_pending_records_unknown_and_counts_them(backend: Backend) -> None:
+    async with asyncio.timeout(STEP_S):
+        store = await backend.open_new()
+        await store.open_invocation(INV, "sha256:x", None, 0.0)
+        for call_id in ("p1", "p2", "done", "doubt"):
+            await store.begin(start(call_id), 1.0)
+        await store.commit(INV, "done", RESPONSE, 2.0)
+        await store.mark_unknown(INV, "doubt", 2.0)
+
+        store, recovered = await backend.restart(store)
+        statuses = {r.call_id: r.status for r in await store.calls(INV)}
+        done = await store.get(INV, "done")
+        _, recovered_again = await backend.restart(store)
+
+    assert recovered == 2
+    assert statuses == {
+        "p1": EffectStatus.UNKNOWN,
+        "p2": EffectStatus.UNKNOWN,
+        "done": EffectStatus.COMMITTED,
+        "doubt": EffectStatus.UNKNOWN,
+    }
+    assert done is not None
+    assert done.response == RESPONSE
+    assert recovered_again == 0
+
+
+async def test_a_call_recovered_as_unknown_runs_again_only_if_reversible(
+    backend: Backend,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        store = await backend.open_new()
+        await store.open_invocation(INV, "sha256:x", None, 0.0)
+        await store.begin(start("irr"), 1.0)
+        await store.begin(start("rev", reversible=True), 1.0)
+        store, _ = await backend.restart(store)
+        irreversible = await store.begin(start("irr", execution="exe_2"), 2.0)
+        reversible = await store.begin(start("rev", execution="exe_2", reversible=True), 2.0)
+
+    assert (irreversible.won, irreversible.record.status) == (False, EffectStatus.UNKNOWN)
+    assert (reversible.won, reversible.record.status) == (True, EffectStatus.PENDING)
+
+
+# -- SQLite only ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def sqlite_store(tmp_path: Path) -> AsyncIterator[SQLiteEffectStore]:
+    store = SQLiteEffectStore(tmp_path / "effects.db")
+    async with asyncio.timeout(STEP_S):
+        await store.open()
+        await store.open_invocation(INV, "sha256:x", None, 0.0)
+    try:
+        yield store
+    finally:
+        async with asyncio.timeout(STEP_S):
+            await store.close()
+
+
+async def test_sqlite_records_budgets_and_responses_survive_close_and_reopen(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "state" / "effects.db"
+    async with asyncio.timeout(STEP_S):
+        first = SQLiteEffectStore(path)
+        assert await first.open() == 0
+        await first.open_invocation(INV, "sha256:x", 99.0, 0.0)
+        assert await first.reserve(INV, "charge", 10, BudgetLimits())
+        await first.begin(start("done"), 1.0)
+        await first.commit(INV, "done", RESPONSE, 2.0)
+        await first.begin(start("left_pending"), 3.0)
+        await first.close()
+
+        second = SQLiteEffectStore(path)
+        try:
+            recovered = await second.open()
+            done = await second.get(INV, "done")
+            left = await second.get(INV, "left_pending")
+            invocation = await second.get_invocation(INV)
+        finally:
+            await second.close()
+
+    assert recovered == 1
+    assert done == EffectRecord(
+        INV, "done", "charge", KEY, EffectStatus.COMMITTED, "exe_1", RESPONSE, 1.0, 2.0
+    )
+    assert left is not None
+    assert left.status is EffectStatus.UNKNOWN
+    assert invocation is not None
+    assert (invocation.deadline_at, invocation.used.calls, invocation.used.cost) == (99.0, 1, 10.0)
+
+
+async def test_sqlite_pending_row_is_visible_to_another_connection_when_begin_returns(
+    sqlite_store: SQLiteEffectStore,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        await sqlite_store.begin(start(), 1.0)
+        reader = sqlite3.connect(sqlite_store.path)
+        try:
+            row = reader.execute("SELECT status FROM effects WHERE call_id = 'c1'").fetchone()
+        finally:
+            reader.close()
+
+    assert row == ("pending",)
+
+
+async def test_sqlite_open_twice_on_one_instance_is_a_programming_error(
+    sqlite_store: SQLiteEffectStore,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        with pytest.raises(RuntimeError, match="twice"):
+            await sqlite_store.open()
+        # The store still works after the refused second open.
+        assert (await sqlite_store.begin(start(), 1.0)).won
+
+
+async def test_sqlite_store_used_before_open_or_after_close_is_a_programming_error(
+    tmp_path: Path,
+) -> None:
+    store = SQLiteEffectStore(tmp_path / "effects.db")
+    async with asyncio.timeout(STEP_S):
+        with pytest.raises(RuntimeError):
+            await store.get(INV, "c1")
+        await store.open()
+        await store.close()
+        await store.close()  # idempotent
+        with pytest.raises(RuntimeError):
+            await store.get(INV, "c1")
+
+
+async def test_sqlite_a_failing_operation_in_a_batch_does_not_undo_its_neighbours(
+    sqlite_store: SQLiteEffectStore,
+) -> None:
+    # Hold the writer thread inside one operation while the batch queues up
+    # behind it, so the rest share one transaction (group commit).
+    holding, let_go = threading.Event(), threading.Event()
+    statements: list[str] = []
+
+    def hold(conn: sqlite3.Connection) -> None:
+        conn.set_trace_callback(statements.append)
+        holding.set()
+        let_go.wait(STEP_S)
+
+    def write_then_fail(conn: sqlite3.Connection) -> None:
+        conn.execute(
+            "INSERT INTO effects (invocation_id, call_id, tool, idempotency_key, status,"
+            " execution_id, created_at, updated_at)"
+            " VALUES (?, 'doomed', 'charge', ?, 'pending', 'exe_1', 1, 1)",
+            (INV, KEY),
+        )
+        raise ValueError("this operation fails after writing")
+
+    def violate_a_constraint(conn: sqlite3.Connection) -> None:
+        conn.execute("UPDATE effects SET status = 'bogus' WHERE call_id = 'c0'")
+
+    async with asyncio.timeout(STEP_S):
+        held = asyncio.ensure_future(sqlite_store._run(hold))
+        await asyncio.to_thread(holding.wait, STEP_S)
+        before = [asyncio.ensure_future(sqlite_store.begin(start(f"c{i}"), 1.0)) for i in range(5)]
+        failing = asyncio.ensure_future(sqlite_store._run(write_then_fail))
+        constraint = asyncio.ensure_future(sqlite_store._run(violate_a_constraint))
+        after = [asyncio.ensure_future(sqlite_store.begin(start(f"d{i}"), 1.0)) for i in range(5)]
+
+        async def let_go_once_queued() -> None:
+            # Tasks start in the order they were made: by now each one above
+            # has put its operation on the queue and is awaiting its result.
+            let_go.set()
+
+        await asyncio.ensure_future(let_go_once_queued())
+        await held
+        begun = await asyncio.gather(*before, *after)
+        with pytest.raises(ValueError, match="fails after writing"):
+            await failing
+        with pytest.raises(StoreUnavailable) as caught:
+            await constraint
+        await sqlite_store._run(lambda conn: conn.set_trace_callback(None))
+        doomed = await sqlite_store.get(INV, "doomed")
+        c0 = await sqlite_store.get(INV, "c0")
+        listed = await sqlite_store.calls(INV)
+
+    assert all(b.won for b in begun)
+    assert isinstance(caught.value.__cause__, sqlite3.IntegrityError)
+    assert doomed is None  # its own write was rolled back …
+    assert c0 is not None
+    assert c0.status is EffectStatus.PENDING  # … and so was the constraint violation
+    assert sorted(r.call_id for r in listed) == [f"{p}{i}" for p in "cd" for i in range(5)]
+    # They really shared one transaction: one BEGIN and one COMMIT for all twelve.
+    first = statements.index("BEGIN IMMEDIATE")  # the batch after the one that held
+    batch = statements[first : statements.index("COMMIT", first) + 1]
+    assert batch.count("BEGIN IMMEDIATE") == 1
+    assert batch.count("SAVEPOINT op") == 12
+
+
+async def test_sqlite_a_directory_in_place_of_the_database_is_store_unavailable(
+    tmp_path: Path,
+) -> None:
+    store = SQLiteEffectStore(tmp_path)
+    async with asyncio.timeout(STEP_S):
+        with pytest.raises(StoreUnavailable) as caught:
+            await store.open()
+        await store.close()
+
+    assert isinstance(caught.value.__cause__, sqlite3.Error)
+
+
+async def test_sqlite_a_file_in_place_of_the_state_dir_is_store_unavailable(
+    tmp_path: Path,
+) -> None:
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    store = SQLiteEffectStore(blocker / "effects.db")
+    async with asyncio.timeout(STEP_S):
+        with pytest.raises(StoreUnavailable):
+            await store.open()
+        await store.close()
+
+
+async def test_sqlite_a_database_from_a_newer_hostcall_is_store_unavailable(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "effects.db"
+    async with asyncio.timeout(STEP_S):
+        store = SQLiteEffectStore(path)
+        await store.open()
+        await store._run(lambda conn: conn.execute("UPDATE meta SET value = '999'"))
+        await store.close()
+        newer = SQLiteEffectStore(path)
+        try:
+            with pytest.raises(StoreUnavailable, match="newer"):
+                await newer.open()
+            # A failed open() leaves nothing running: trying again fails the same way.
+            with pytest.raises(StoreUnavailable, match="newer"):
+                await newer.open()
+        finally:
+            await newer.close()
