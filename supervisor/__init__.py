@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from supervisor.approvals import ApprovalGate, ApproveAll, ProposalRequest
+from supervisor.approvals import (
+    ApprovalController,
+    Approver,
+    Proposal,
+    ProposalNotFound,
+    ProposalNotWaiting,
+)
 from supervisor.errors import (
     EffectOutcomeUnknown,
     HostcallError,
@@ -18,8 +24,8 @@ from supervisor.supervisor import ExecutionOutcome, RunOutcome, Supervisor
 from supervisor.tools import Tool, tool
 
 __all__ = [
-    "ApprovalGate",
-    "ApproveAll",
+    "ApprovalController",
+    "Approver",
     "BudgetLimits",
     "EffectOutcomeUnknown",
     "EffectStore",
@@ -29,7 +35,9 @@ __all__ = [
     "MemoryEffectStore",
     "Plan",
     "PlanError",
-    "ProposalRequest",
+    "Proposal",
+    "ProposalNotFound",
+    "ProposalNotWaiting",
     "Refusal",
     "RunOutcome",
     "SQLiteEffectStore",

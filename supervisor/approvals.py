@@ -1,24 +1,82 @@
-"""The approval step (SPEC §5.8, §7) as the broker sees it.
+"""Approvals (SPEC §7): proposals, their lease, and who may decide them.
 
-Until the approvals issue lands, :class:`ApproveAll` answers every proposal at
-once with "approved". The seam is already where SPEC puts it: after the budget
-is reserved, before BeginDispatch, and a ticket must be claimed (synchronously,
-in the same step as the liveness check) for the call to cross BeginDispatch.
+A proposal is one concrete call — invocation, execution, call_id, tool,
+canonical args, idempotency key — waiting for a human (or an ``approver``
+callback) to decide. Its states, and the only moves between them, are the
+table :data:`TRANSITIONS`. Approval means "may enter BeginDispatch", not "has
+run": the broker claims an approved proposal (``approved → dispatched``) in
+the same synchronous step as its liveness check, right before the effect
+store's ``begin``. A lease that runs out or a cancel that lands before that
+claim leaves the handler uncalled; one that lands after it cannot undo the
+effect.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Protocol
 
-__all__ = ["ApprovalGate", "ApprovalTicket", "ApproveAll", "ProposalRequest"]
+from supervisor.errors import HostcallError
+from supervisor.ids import new_id
+from supervisor.receipts import utc_timestamp
 
-Decision = Literal["approved", "rejected", "expired", "cancelled"]
+__all__ = [
+    "TRANSITIONS",
+    "ApprovalController",
+    "ApprovalGate",
+    "ApprovalTicket",
+    "Approver",
+    "Proposal",
+    "ProposalNotFound",
+    "ProposalNotWaiting",
+    "ProposalRequest",
+    "ProposalState",
+    "next_state",
+]
+
+logger = logging.getLogger(__name__)
+
+ProposalState = Literal["waiting", "approved", "rejected", "expired", "cancelled", "dispatched"]
+Event = Literal["approve", "reject", "expire", "cancel", "dispatch"]
+
+#: SPEC §7: ``waiting → approved | rejected | expired | cancelled``;
+#: ``approved → dispatched | expired | cancelled``. Nothing else moves.
+TRANSITIONS: Final[Mapping[tuple[ProposalState, Event], ProposalState]] = {
+    ("waiting", "approve"): "approved",
+    ("waiting", "reject"): "rejected",
+    ("waiting", "expire"): "expired",
+    ("waiting", "cancel"): "cancelled",
+    ("approved", "dispatch"): "dispatched",
+    ("approved", "expire"): "expired",
+    ("approved", "cancel"): "cancelled",
+}
+
+
+def next_state(state: ProposalState, event: Event) -> ProposalState | None:
+    """The state ``event`` moves ``state`` to, or ``None`` if it may not."""
+    return TRANSITIONS.get((state, event))
+
+
+class ProposalNotFound(HostcallError):
+    """No proposal has this id."""
+
+    code = "proposal_not_found"
+
+
+class ProposalNotWaiting(HostcallError):
+    """A decision was made on a proposal that is no longer ``waiting``."""
+
+    code = "proposal_not_waiting"
 
 
 @dataclass(frozen=True, slots=True)
 class ProposalRequest:
-    """One concrete call waiting for a decision."""
+    """One concrete call that needs a decision before dispatch."""
 
     invocation_id: str
     execution_id: str
@@ -29,37 +87,231 @@ class ProposalRequest:
     timeout_s: float
 
 
+@dataclass(eq=False)
+class Proposal:
+    """An approval request for one call, with a lease (``expires_at``)."""
+
+    id: str
+    invocation_id: str
+    execution_id: str
+    call_id: str
+    tool: str
+    args: dict[str, Any]
+    idempotency_key: str
+    created_at: float
+    expires_at: float
+    state: ProposalState = "waiting"
+    decided_at: float | None = None
+    decided_by: str | None = None
+    reason: str | None = None
+    _clock: Callable[[], float] = field(default=time.time, repr=False)
+    _settled: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    @property
+    def approval_id(self) -> str:
+        """The id receipts record as ``approval_id``."""
+        return self.id
+
+    @property
+    def decision(self) -> ProposalState:
+        """The state once the wait is over (what the broker acts on)."""
+        return self.state
+
+    def move(self, event: Event, *, by: str | None = None, reason: str | None = None) -> bool:
+        """Apply ``event`` if the table allows it; whether it did."""
+        target = next_state(self.state, event)
+        if target is None:
+            return False
+        self.state = target
+        if event != "dispatch":
+            self.decided_at = self._clock()
+            self.decided_by = by
+            self.reason = reason
+        self._settled.set()  # any move ends the wait for a decision
+        return True
+
+    def claim_dispatch(self) -> ProposalState:
+        """BeginDispatch's half: ``approved → dispatched`` if the lease still runs.
+
+        Synchronous on purpose: nothing can interleave between this and the
+        broker's liveness check. Returns the state afterwards.
+        """
+        if self.state == "approved" and self._clock() >= self.expires_at:
+            self.move("expire", by="lease")
+        else:
+            self.move("dispatch")
+        return self.state
+
+    def to_json(self) -> dict[str, Any]:
+        """The stable JSON form (``hostcall approvals list --json``, admin API)."""
+        return {
+            "id": self.id,
+            "state": self.state,
+            "invocation_id": self.invocation_id,
+            "execution_id": self.execution_id,
+            "call_id": self.call_id,
+            "tool": self.tool,
+            "args": self.args,
+            "idempotency_key": self.idempotency_key,
+            "created_at": utc_timestamp(self.created_at),
+            "expires_at": utc_timestamp(self.expires_at),
+            "decided_at": utc_timestamp(self.decided_at) if self.decided_at else None,
+            "decided_by": self.decided_by,
+            "reason": self.reason,
+        }
+
+
 class ApprovalTicket(Protocol):
-    """The outcome of asking: a decision, and the right to dispatch once."""
+    """What the broker holds after asking: a decision and the right to dispatch once."""
 
     @property
-    def decision(self) -> Decision: ...
+    def decision(self) -> ProposalState: ...
 
     @property
-    def approval_id(self) -> str | None: ...
+    def approval_id(self) -> str: ...
 
-    def claim_dispatch(self) -> bool:
-        """Atomically ``approved → dispatched``; False if it expired or was cancelled."""
-        ...
+    def claim_dispatch(self) -> ProposalState: ...
 
 
 class ApprovalGate(Protocol):
-    """Asks for (and waits for) a decision on one proposal."""
+    """Opens a proposal and waits, bounded by its lease, for a decision."""
 
     async def request(self, proposal: ProposalRequest) -> ApprovalTicket: ...
 
 
-@dataclass(slots=True)
-class _Approved:
-    approval_id: str | None = None
-    decision: Decision = "approved"
-
-    def claim_dispatch(self) -> bool:
-        return True
+#: ``approver(proposal)`` → True/"approve" (approve), False/"reject" (reject),
+#: None (leave it to an operator); sync or async. A sync approver runs in a
+#: worker thread, so it may block (e.g. ask on a terminal).
+Approver = Callable[[Proposal], "bool | str | Awaitable[bool | str | None] | None"]
 
 
-class ApproveAll:
-    """Approves every proposal immediately (no operator in the loop)."""
+class ApprovalController:
+    """Every proposal of one supervisor, and the decisions made on them."""
 
-    async def request(self, proposal: ProposalRequest) -> ApprovalTicket:
-        return _Approved()
+    def __init__(
+        self,
+        approver: Approver | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self._approver = approver
+        self._clock = clock
+        self._on_change = on_change
+        self._proposals: dict[str, Proposal] = {}
+
+    # -- the broker's side ---------------------------------------------------
+
+    async def request(self, request: ProposalRequest) -> Proposal:
+        """Open a proposal and wait until it is decided or its lease runs out."""
+        now = self._clock()
+        proposal = Proposal(
+            id=new_id("apr"),
+            invocation_id=request.invocation_id,
+            execution_id=request.execution_id,
+            call_id=request.call_id,
+            tool=request.tool,
+            args=request.args,
+            idempotency_key=request.idempotency_key,
+            created_at=now,
+            expires_at=now + request.timeout_s,
+            _clock=self._clock,
+        )
+        self._proposals[proposal.id] = proposal
+        self._changed()
+        asker = asyncio.create_task(self._ask(proposal)) if self._approver else None
+        try:
+            async with asyncio.timeout(max(0.0, proposal.expires_at - self._clock())):
+                await proposal._settled.wait()
+        except TimeoutError:
+            if proposal.move("expire", by="lease"):
+                self._changed()
+        finally:
+            if asker is not None and not asker.done():
+                asker.cancel()
+        return proposal
+
+    async def _ask(self, proposal: Proposal) -> None:
+        assert self._approver is not None
+        try:
+            if inspect.iscoroutinefunction(self._approver):
+                answer = await self._approver(proposal)
+            else:
+                answer = await asyncio.to_thread(self._approver, proposal)
+                if inspect.isawaitable(answer):
+                    answer = await answer
+        except Exception:  # boundary: a broken approver leaves it to an operator
+            logger.exception("approver failed on proposal %s", proposal.id)
+            return
+        if answer is None or proposal.state != "waiting":
+            return
+        approve = answer is True or answer in ("approve", "approved")
+        reject = answer is False or answer in ("reject", "rejected")
+        if approve or reject:
+            proposal.move("approve" if approve else "reject", by="approver")
+            self._changed()
+        else:
+            logger.error("approver answered %r on %s: ignored", answer, proposal.id)
+
+    # -- the operator's side -------------------------------------------------
+
+    def get(self, proposal_id: str) -> Proposal:
+        """The proposal with this id.
+
+        Raises:
+            ProposalNotFound: no such proposal.
+        """
+        try:
+            return self._proposals[proposal_id]
+        except KeyError:
+            raise ProposalNotFound(f"no proposal {proposal_id}") from None
+
+    def list(self, state: str | None = None) -> list[Proposal]:
+        """Proposals, oldest first, optionally only those in ``state``."""
+        return [p for p in self._proposals.values() if state is None or p.state == state]
+
+    def approve(self, proposal_id: str, *, by: str = "operator") -> Proposal:
+        """Let a waiting call enter BeginDispatch.
+
+        Raises:
+            ProposalNotFound, ProposalNotWaiting.
+        """
+        return self._decide(proposal_id, "approve", by=by, reason=None)
+
+    def reject(
+        self, proposal_id: str, *, reason: str | None = None, by: str = "operator"
+    ) -> Proposal:
+        """Refuse a waiting call (the guest gets ``approval_rejected``).
+
+        Raises:
+            ProposalNotFound, ProposalNotWaiting.
+        """
+        return self._decide(proposal_id, "reject", by=by, reason=reason)
+
+    def _decide(self, proposal_id: str, event: Event, *, by: str, reason: str | None) -> Proposal:
+        proposal = self.get(proposal_id)
+        if proposal.state == "waiting" and self._clock() >= proposal.expires_at:
+            proposal.move("expire", by="lease")
+        if proposal.state != "waiting" or not proposal.move(event, by=by, reason=reason):
+            raise ProposalNotWaiting(f"proposal {proposal_id} is {proposal.state}, not waiting")
+        self._changed()
+        return proposal
+
+    def cancel_execution(self, execution_id: str) -> int:
+        """Cancel every undispatched proposal of an execution; how many."""
+        cancelled = sum(
+            proposal.move("cancel", by="supervisor")
+            for proposal in self._proposals.values()
+            if proposal.execution_id == execution_id
+        )
+        if cancelled:
+            self._changed()
+        return cancelled
+
+    def waiting(self) -> int:
+        """How many proposals wait for a decision."""
+        return sum(p.state == "waiting" for p in self._proposals.values())
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()

@@ -24,6 +24,7 @@ from channel.wire import CallReply
 from supervisor.approvals import ApprovalGate, ApprovalTicket, ProposalRequest
 from supervisor.canonical import idempotency_key, jcs
 from supervisor.errors import Refusal, StoreUnavailable
+from supervisor.metrics import Metrics
 from supervisor.plan import Plan
 from supervisor.receipts import ReceiptLog
 from supervisor.replay import Replay, decide_replay
@@ -79,10 +80,12 @@ class Broker:
     store: EffectStore
     approvals: ApprovalGate
     receipts: ReceiptLog
-    is_live: Callable[[], bool]
+    #: Why the execution may not dispatch now (ended, cancelled, fenced), or None.
+    dispatch_blocker: Callable[[], Refusal | None]
     revoked: Set[str] = frozenset()
     deadline_at: float | None = None
     executor: Executor | None = None
+    metrics: Metrics | None = None
     clock: Callable[[], float] = time.time
     #: Calls of this execution by receipt outcome (executed, replayed, …).
     outcomes: Counter[str] = field(default_factory=Counter)
@@ -115,6 +118,8 @@ class Broker:
             )
         self.outcomes[outcome.receipt_outcome] += 1
         receipt_id = await self._receipt(call_id, tool, key, outcome, started_at)
+        if self.metrics is not None:
+            self.metrics.observe(tool, outcome.receipt_outcome, self.clock() - started_at)
         if outcome.reply.status in ("ok", "error") and outcome.reply.effect != "failed":
             # The reply carries this request's own receipt, replayed or not.
             return _with_receipt(outcome.reply, receipt_id)
@@ -204,9 +209,11 @@ class Broker:
             admission.settled.set_result(outcome.reply)
             return outcome
         admission.settled.set_result(None)
+        if self.metrics is not None:
+            self.metrics.in_flight.inc()
         task = asyncio.create_task(self._dispatch(call, outcome))
         self._dispatched[call.call_id] = task
-        task.add_done_callback(lambda _: self._dispatched.pop(call.call_id, None))
+        task.add_done_callback(lambda _: self._dispatch_done(call.call_id))
         # Shielded: a guest that disconnects never cancels a dispatched handler.
         return await asyncio.shield(task)
 
@@ -235,12 +242,18 @@ class Broker:
         dispatched = False
         try:
             ticket = await self._approve(call, admission)
-            # BeginDispatch: claim the approval and check liveness in one step
-            # (no await in between), then the store's atomic insert.
-            if not self.is_live():
-                raise Refusal("cancelled", "the execution ended before the call was dispatched")
-            if ticket is not None and not ticket.claim_dispatch():
-                raise Refusal("approval_expired", "the approval lapsed before dispatch")
+            # BeginDispatch: the liveness check and the approval claim happen in
+            # one synchronous step (nothing interleaves), then the store's
+            # atomic insert. A cancel or expiry after this point cannot stop it.
+            blocked = self.dispatch_blocker()
+            if blocked is not None:
+                raise blocked
+            if ticket is not None:
+                claimed = ticket.claim_dispatch()
+                if claimed == "expired":
+                    raise Refusal("approval_expired", "the approval lapsed before dispatch")
+                if claimed != "dispatched":
+                    raise Refusal("cancelled", "the call was cancelled before dispatch")
             begun = await self.store.begin(
                 StartCall(
                     self.invocation_id,
@@ -262,6 +275,11 @@ class Broker:
         finally:
             if not dispatched:
                 await self.store.refund(self.invocation_id, call.tool.name, call.tool.cost)
+
+    def _dispatch_done(self, call_id: str) -> None:
+        self._dispatched.pop(call_id, None)
+        if self.metrics is not None:
+            self.metrics.in_flight.dec()
 
     def _replay_outcome(self, call: _Call, record: EffectRecord | None) -> _Outcome | None:
         decision = decide_replay(record, call.tool.name, call.key, call.tool.reversible)
@@ -294,7 +312,7 @@ class Broker:
             raise Refusal("approval_rejected", "an operator rejected this call")
         if ticket.decision == "expired":
             raise Refusal("approval_expired", "no decision was made before the approval lapsed")
-        if ticket.decision == "cancelled":
+        if ticket.decision != "approved":
             raise Refusal("cancelled", "the call was cancelled before dispatch")
         return ticket
 

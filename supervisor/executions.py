@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from supervisor.broker import Broker
+from supervisor.errors import Refusal
 
 __all__ = ["Execution", "ExecutionState", "ExecutionTable"]
 
@@ -34,6 +35,9 @@ class Execution:
     guest_pid: int | None = None
     process: asyncio.subprocess.Process | None = None
     state: ExecutionState = ExecutionState.STARTING
+    #: Called once when the execution stops being live (e.g. to cancel proposals).
+    on_end: Callable[[Execution], object] | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def live(self) -> bool:
@@ -42,8 +46,29 @@ class Execution:
 
     def end(self, state: ExecutionState = ExecutionState.ENDED) -> None:
         """Stop accepting calls; the first reason to end it is kept."""
+        if not self.live:
+            return
+        self.state = state
+        self.ended.set()
+        if self.on_end is not None:
+            self.on_end(self)
+
+    def dispatch_blocker(self) -> Refusal | None:
+        """Why a call of this execution may not cross BeginDispatch now, if so."""
         if self.live:
-            self.state = state
+            return None
+        if self.state is ExecutionState.FENCED:
+            return Refusal("execution_fenced", "a newer execution of this invocation took over")
+        return Refusal("cancelled", "the execution ended before the call was dispatched")
+
+    def describe(self) -> dict[str, object]:
+        """This execution for the admin API."""
+        return {
+            "execution_id": self.execution_id,
+            "invocation_id": self.invocation_id,
+            "state": str(self.state),
+            "guest_pid": self.guest_pid,
+        }
 
 
 class ExecutionTable:

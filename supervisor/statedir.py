@@ -8,14 +8,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Final
 
 from supervisor.errors import StateDirBusy
+from supervisor.sockets import MAX_SOCKET_PATH
 
 __all__ = ["StateDir"]
-
-#: ``sun_path`` holds 108 bytes including the terminating NUL.
-MAX_SOCKET_PATH: Final = 107
 
 
 class StateDir:

@@ -11,14 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Final
+from typing import IO, Any, Final, cast
 
 from channel.server import DEFAULT_MAX_BODY, ChannelServer
-from supervisor.approvals import ApprovalGate, ApproveAll
+from supervisor.admin import AdminServer
+from supervisor.approvals import ApprovalController, Approver
 from supervisor.broker import Broker
 from supervisor.errors import InvocationMismatch
 from supervisor.executions import Execution, ExecutionState, ExecutionTable
 from supervisor.ids import is_valid_id, mint_credential, new_id
+from supervisor.metrics import Metrics
 from supervisor.plan import Plan
 from supervisor.process import (
     STOP_GRACE_S,
@@ -113,7 +115,8 @@ class Supervisor:
         state_dir: str | os.PathLike[str] = ".hostcall",
         *,
         store: EffectStore | str | None = None,
-        approver: ApprovalGate | None = None,
+        approver: Approver | None = None,
+        plan: Plan | None = None,
         origin_check: bool = True,
         credential_transport: CredentialTransport = "fd",
         max_body: int = DEFAULT_MAX_BODY,
@@ -122,7 +125,10 @@ class Supervisor:
         self.state = StateDir(state_dir)
         self._store_spec = store
         self._store: EffectStore | None = None
-        self._approvals: ApprovalGate = approver or ApproveAll()
+        self.approvals = ApprovalController(approver)
+        self.metrics = Metrics(self.approvals.waiting)
+        #: The plan ``POST /v1/invocations`` launches guests under (``hostcall serve``).
+        self.served_plan = plan
         self._origin_check = origin_check
         self._credential_transport: CredentialTransport = credential_transport
         self._max_body = max_body
@@ -130,6 +136,8 @@ class Supervisor:
         self._executions = ExecutionTable()
         self._invocations: dict[str, _Invocation] = {}
         self._channel: ChannelServer | None = None
+        self._admin: AdminServer | None = None
+        self._launched: set[asyncio.Task[RunOutcome]] = set()
         self._executor: ThreadPoolExecutor | None = None
         self.recovered_unknown = 0
 
@@ -184,14 +192,27 @@ class Supervisor:
                 max_body=self._max_body,
             )
             await self._channel.start()
+            self._admin = AdminServer(self, self.state.path / "admin.sock")
+            await self._admin.start()
         except BaseException:
             await self.aclose()
             raise
 
     async def aclose(self) -> None:
-        """Stop serving and release everything. Idempotent."""
+        """Stop serving and release everything. Idempotent.
+
+        Guests launched through the admin API are stopped (their trees ended);
+        the caller's own :meth:`run` calls should have returned already.
+        """
+        for task in list(self._launched):
+            task.cancel()
+        if self._launched:
+            await asyncio.gather(*self._launched, return_exceptions=True)
         for execution in self._executions:
             execution.end()
+        if self._admin is not None:
+            admin, self._admin = self._admin, None
+            await admin.close()
         if self._channel is not None:
             channel, self._channel = self._channel, None
             await channel.close()
@@ -274,6 +295,7 @@ class Supervisor:
                 plan,
                 ReceiptLog(self.state.receipts_dir / f"{invocation_id}.jsonl"),
                 record.deadline_at,
+                set(await self.store.revoked(invocation_id)),
             )
             self._invocations[invocation_id] = invocation
         return invocation
@@ -303,14 +325,22 @@ class Supervisor:
             invocation_id=invocation_id,
             execution_id=execution_id,
             store=self.store,
-            approvals=self._approvals,
             receipts=invocation.receipts,
-            is_live=lambda: execution.live,
+            approvals=self.approvals,
+            dispatch_blocker=lambda: execution.dispatch_blocker(),
             revoked=invocation.revoked,
             deadline_at=invocation.deadline_at,
             executor=self._executor,
+            metrics=self.metrics,
         )
-        execution = Execution(execution_id, invocation_id, plan.plan_hash, digest, broker)
+        execution = Execution(
+            execution_id,
+            invocation_id,
+            plan.plan_hash,
+            digest,
+            broker,
+            on_end=lambda ended: self.approvals.cancel_execution(ended.execution_id),
+        )
         self._executions.add(execution)
         identity = GuestIdentity(str(self.socket_path), invocation_id, execution_id, plan.plan_hash)
         started = time.monotonic()
@@ -332,29 +362,22 @@ class Supervisor:
         execution.guest_pid = process.pid
         execution.process = process
         execution.state = ExecutionState.RUNNING
-        timed_out = False
+        reason = "exited"
         try:
             if on_start is not None:
                 maybe = on_start(execution)
                 if maybe is not None:
                     await maybe
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await process.wait()
-            except TimeoutError:
-                timed_out = True
+            reason = await _wait_for_guest(process, execution, timeout_s)
         finally:
             # The credential stops working the moment the execution ends.
             execution.end()
             await asyncio.shield(stop_tree(process, grace_s=self._stop_grace_s))
+        timed_out = reason == "timeout"
         returncode = process.returncode
         signum = -returncode if returncode is not None and returncode < 0 else None
-        if timed_out:
-            reason = "timeout"
-        elif signum is not None:
+        if reason == "exited" and signum is not None:
             reason = "signalled"
-        else:
-            reason = "exited"
         return ExecutionOutcome(
             execution_id=execution_id,
             exit_code=returncode if returncode is not None and returncode >= 0 else None,
@@ -371,9 +394,109 @@ class Supervisor:
         """An execution of this supervisor, live or ended."""
         return self._executions.lookup(execution_id)
 
-    def revoke(self, invocation_id: str, tool: str) -> None:
-        """Refuse every later call and replay of ``tool`` in this invocation."""
+    def executions(self, invocation_id: str | None = None) -> list[Execution]:
+        """This supervisor's executions (of one invocation), oldest first."""
+        if invocation_id is None:
+            return list(self._executions)
+        return self._executions.of_invocation(invocation_id)
+
+    async def revoke(self, invocation_id: str, tool: str) -> None:
+        """Refuse every later call and replay of ``tool`` in this invocation.
+
+        Persisted in the effect store: it holds for later executions too.
+        """
+        await self.store.revoke(invocation_id, tool, time.time())
         invocation = self._invocations.get(invocation_id)
-        if invocation is None:
-            raise KeyError(invocation_id)
-        invocation.revoked.add(tool)
+        if invocation is not None:
+            invocation.revoked.add(tool)
+
+    def cancel(self, execution_id: str) -> bool:
+        """Cancel a live execution: its waiting proposals are cancelled, calls not yet
+        dispatched are refused ``cancelled``, and its guest tree is stopped.
+
+        Calls already past BeginDispatch run to completion and are recorded.
+        Returns False if the execution is unknown or no longer live.
+        """
+        execution = self._executions.lookup(execution_id)
+        if execution is None or not execution.live:
+            return False
+        execution.end(ExecutionState.CANCELLED)
+        return True
+
+    async def launch(
+        self,
+        argv: Sequence[str],
+        *,
+        invocation_id: str | None = None,
+        timeout_s: float | None = None,
+        plan: Plan | None = None,
+    ) -> Execution:
+        """Start a guest in the background (``POST /v1/invocations``); returns once
+        it runs. The supervisor stops it on :meth:`aclose`.
+
+        Raises:
+            RuntimeError: no plan given and none served.
+            OSError: the command could not be started.
+        """
+        plan = plan or self.served_plan
+        if plan is None:
+            raise RuntimeError("this supervisor serves no plan to launch guests under")
+        started: asyncio.Future[Execution] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(
+            self.run(
+                plan,
+                argv,
+                invocation_id=invocation_id,
+                timeout_s=timeout_s,
+                stdin=asyncio.subprocess.DEVNULL,
+                on_start=started.set_result,
+            )
+        )
+        self._launched.add(task)
+        task.add_done_callback(self._launched.discard)
+        task.add_done_callback(_log_failure)
+        await asyncio.wait(
+            [cast("asyncio.Future[object]", started), cast("asyncio.Future[object]", task)],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if not started.done():
+            task.result()  # raises why it did not start
+            raise RuntimeError("the guest ended before it started")
+        return started.result()
+
+
+async def _wait_for_guest(
+    process: asyncio.subprocess.Process, execution: Execution, timeout_s: float | None
+) -> str:
+    """Wait until the guest exits (``exited``), its execution is cancelled
+    (``cancelled``) or the timeout passes (``timeout``).
+
+    A fenced execution keeps running until it exits or times out: a newer
+    attempt took over, and every call it makes is refused ``execution_fenced``.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    exited = asyncio.ensure_future(process.wait())
+    stopped = asyncio.ensure_future(execution.ended.wait())
+    waiting: set[asyncio.Future[Any]] = {exited, stopped}
+    try:
+        while not exited.done():
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            done, _ = await asyncio.wait(
+                waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                return "timeout"
+            if stopped in done:
+                waiting.discard(stopped)
+                if execution.state is not ExecutionState.FENCED:
+                    return "cancelled"
+        return "exited"
+    finally:
+        exited.cancel()
+        stopped.cancel()
+
+
+def _log_failure(task: asyncio.Task[RunOutcome]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("a launched guest failed: %s", task.exception())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -38,5 +39,5 @@ def test_every_name_in_a_packages_all_exists_and_is_documented(package: str) -> 
     assert len(set(module.__all__)) == len(module.__all__)
     for name in module.__all__:
         value = getattr(module, name)
-        if callable(value):
+        if inspect.isclass(value) or inspect.isfunction(value):
             assert value.__doc__, f"{package}.{name} has no docstring"

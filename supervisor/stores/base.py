@@ -176,6 +176,14 @@ class EffectStore(Protocol):
         """Delete a ``pending`` record after a failure that left no effect."""
         ...
 
+    async def revoke(self, invocation_id: str, tool: str, now: float) -> None:
+        """Refuse every later call and replay of ``tool`` in this invocation."""
+        ...
+
+    async def revoked(self, invocation_id: str) -> frozenset[str]:
+        """The tools revoked for this invocation."""
+        ...
+
     async def calls(self, invocation_id: str) -> list[EffectRecord]:
         """Every effect record of an invocation, oldest first."""
         ...

@@ -28,6 +28,7 @@ class MemoryEffectStore:
         self._lock = threading.Lock()
         self._records: dict[tuple[str, str], EffectRecord] = {}
         self._invocations: dict[str, InvocationRecord] = {}
+        self._revoked: dict[str, set[str]] = {}
 
     async def open(self) -> int:
         with self._lock:
@@ -146,6 +147,14 @@ class MemoryEffectStore:
             record = self._records.get((invocation_id, call_id))
             if record is not None and record.status is EffectStatus.PENDING:
                 del self._records[(invocation_id, call_id)]
+
+    async def revoke(self, invocation_id: str, tool: str, now: float) -> None:
+        with self._lock:
+            self._revoked.setdefault(invocation_id, set()).add(tool)
+
+    async def revoked(self, invocation_id: str) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._revoked.get(invocation_id, ()))
 
     async def calls(self, invocation_id: str) -> list[EffectRecord]:
         with self._lock:

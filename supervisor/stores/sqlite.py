@@ -30,7 +30,7 @@ from supervisor.stores.base import (
     budget_allows,
 )
 
-__all__ = ["SCHEMA_VERSION", "SQLiteEffectStore"]
+__all__ = ["SCHEMA_VERSION", "SQLiteEffectStore", "read_calls"]
 
 T = TypeVar("T")
 
@@ -69,6 +69,12 @@ CREATE TABLE IF NOT EXISTS effects (
     PRIMARY KEY (invocation_id, call_id)
 );
 CREATE INDEX IF NOT EXISTS effects_by_status ON effects (status);
+CREATE TABLE IF NOT EXISTS revocations (
+    invocation_id TEXT NOT NULL,
+    tool TEXT NOT NULL,
+    revoked_at REAL NOT NULL,
+    PRIMARY KEY (invocation_id, tool)
+);
 """
 
 _EFFECT_COLUMNS: Final = (
@@ -366,6 +372,24 @@ class SQLiteEffectStore:
             )
         )
 
+    async def revoke(self, invocation_id: str, tool: str, now: float) -> None:
+        await self._run(
+            lambda conn: conn.execute(
+                "INSERT INTO revocations (invocation_id, tool, revoked_at) VALUES (?, ?, ?)"
+                " ON CONFLICT DO NOTHING",
+                (invocation_id, tool, now),
+            )
+        )
+
+    async def revoked(self, invocation_id: str) -> frozenset[str]:
+        def op(conn: sqlite3.Connection) -> frozenset[str]:
+            rows = conn.execute(
+                "SELECT tool FROM revocations WHERE invocation_id = ?", (invocation_id,)
+            )
+            return frozenset(tool for (tool,) in rows.fetchall())
+
+        return await self._run(op)
+
     async def calls(self, invocation_id: str) -> list[EffectRecord]:
         def op(conn: sqlite3.Connection) -> list[EffectRecord]:
             rows = conn.execute(
@@ -402,3 +426,31 @@ def _settle(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]
             future.set_exception(error)
         else:
             future.set_result(result)
+
+
+def read_calls(path: Path, invocation_id: str) -> list[EffectRecord] | None:
+    """An invocation's records read from a SQLite store no supervisor holds.
+
+    Read-only (no recovery, no writer thread): for ``hostcall calls`` after a
+    run. ``None`` if the invocation is unknown.
+
+    Raises:
+        StoreUnavailable: the file is missing or not a hostcall store.
+    """
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        raise StoreUnavailable(f"cannot read effect store {path}: {exc}") from exc
+    try:
+        if _get_invocation(conn, invocation_id) is None:
+            return None
+        rows = conn.execute(
+            f"SELECT {_EFFECT_COLUMNS} FROM effects WHERE invocation_id = ?"
+            " ORDER BY created_at, call_id",
+            (invocation_id,),
+        ).fetchall()
+        return [r for row in rows if (r := _effect(row)) is not None]
+    except sqlite3.Error as exc:
+        raise StoreUnavailable(f"cannot read effect store {path}: {exc}") from exc
+    finally:
+        conn.close()

@@ -162,7 +162,7 @@ async def test_a_revoked_tool_is_refused_for_new_calls_and_replays(
 ) -> None:
     async with driven_guest(sup, billing_plan(ledger)) as guest:
         before = await guest.call("c1", "lookup", {"account": "a"})
-        sup.revoke(guest.execution.invocation_id, "lookup")
+        await sup.revoke(guest.execution.invocation_id, "lookup")
         replay = await guest.call("c1", "lookup", {"account": "a"})
         plan = await guest.request(method="GET", path="/v1/plan")
     assert before["status"] == 200

@@ -1,0 +1,246 @@
+"""The admin API (SPEC §9): ``<state_dir>/admin.sock``, same uid only, mode 0600.
+
+Operators (and ``hostcall approvals``/``calls``) decide proposals, list
+invocations and calls, cancel executions, revoke tools and scrape metrics.
+Every answer is JSON (``/metrics`` excepted); errors are
+``{"error": {"code", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from aiohttp import web
+
+from channel.peer import peer_credentials
+from channel.wire import is_valid_id, parse_strict_json
+from supervisor.approvals import ProposalNotFound, ProposalNotWaiting
+from supervisor.errors import HostcallError, Refusal
+from supervisor.metrics import CONTENT_TYPE
+from supervisor.receipts import utc_timestamp
+from supervisor.sockets import reachable_path
+from supervisor.stores.base import EffectRecord
+
+if TYPE_CHECKING:
+    from supervisor.supervisor import Supervisor
+
+__all__ = ["AdminServer", "record_json"]
+
+logger = logging.getLogger(__name__)
+
+#: How long ``close()`` lets in-flight admin requests finish.
+SHUTDOWN_GRACE_S: Final = 2.0
+#: Longest request body the admin API reads.
+MAX_BODY: Final = 64 * 1024
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def record_json(record: EffectRecord) -> dict[str, Any]:
+    """An effect record as ``hostcall calls --json`` and the admin API show it."""
+    return {
+        "invocation_id": record.invocation_id,
+        "call_id": record.call_id,
+        "tool": record.tool,
+        "idempotency_key": record.idempotency_key,
+        "status": str(record.status),
+        "execution_id": record.execution_id,
+        "created_at": utc_timestamp(record.created_at),
+        "updated_at": utc_timestamp(record.updated_at),
+        "response": record.response,
+    }
+
+
+class AdminServer:
+    """Serves the admin API of one supervisor."""
+
+    def __init__(self, supervisor: Supervisor, path: Path) -> None:
+        self._sup = supervisor
+        self.path = path
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        """Bind ``path`` (any length) with mode 0600 and serve."""
+        app = web.Application(middlewares=[self._boundary], client_max_size=MAX_BODY)
+        routes = [
+            web.post("/v1/invocations", self._launch),
+            web.get("/v1/invocations", self._invocations),
+            web.get("/v1/invocations/{invocation_id}/calls", self._calls),
+            web.post("/v1/invocations/{invocation_id}/tools/{tool}/revoke", self._revoke),
+            web.post("/v1/executions/{execution_id}/cancel", self._cancel),
+            web.get("/v1/approvals", self._approvals),
+            web.get("/v1/approvals/{proposal_id}", self._approval),
+            web.post("/v1/approvals/{proposal_id}/approve", self._approve),
+            web.post("/v1/approvals/{proposal_id}/reject", self._reject),
+            web.get("/metrics", self._metrics),
+        ]
+        app.router.add_routes(routes)
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S
+        )
+        await runner.setup()
+        self.path.unlink(missing_ok=True)
+        with reachable_path(self.path) as bindable:
+            await web.UnixSite(runner, bindable).start()
+        os.chmod(self.path, 0o600)
+        self._runner = runner
+
+    async def close(self) -> None:
+        """Stop serving and remove the socket."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        self.path.unlink(missing_ok=True)
+
+    @web.middleware
+    async def _boundary(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        assert request.transport is not None
+        try:
+            peer = peer_credentials(request.transport.get_extra_info("socket"))
+        except OSError:
+            return _error(403, "origin_denied", "the peer could not be identified")
+        if peer.pidfd is not None:
+            os.close(peer.pidfd)
+        if peer.uid != os.getuid():
+            return _error(403, "origin_denied", "the admin API is for the supervisor's own uid")
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            return _error(
+                exc.status, "not_found" if exc.status == 404 else "bad_request", exc.reason
+            )
+        except (ProposalNotFound, KeyError) as exc:
+            return _error(404, "not_found", str(exc.args[0]) if exc.args else "not found")
+        except ProposalNotWaiting as exc:
+            return _error(409, exc.code, exc.message)
+        except Refusal as exc:
+            return _error(400, exc.code, exc.message)
+        except HostcallError as exc:
+            return _error(409, exc.code, exc.message)
+        except Exception:  # boundary: an admin bug must not take the supervisor down
+            logger.exception("admin API error on %s %s", request.method, request.path)
+            return _error(500, "internal_error", "internal error")
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw:
+            return {}
+        body = parse_strict_json(raw)
+        if not isinstance(body, dict):
+            raise Refusal("bad_request", "the body must be a JSON object")
+        return body
+
+    # -- approvals ---------------------------------------------------------
+
+    async def _approvals(self, request: web.Request) -> web.Response:
+        state = request.query.get("state")
+        return web.json_response([p.to_json() for p in self._sup.approvals.list(state)])
+
+    async def _approval(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            self._sup.approvals.get(request.match_info["proposal_id"]).to_json()
+        )
+
+    async def _approve(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        proposal = self._sup.approvals.approve(
+            request.match_info["proposal_id"], by=str(body.get("by", "operator"))
+        )
+        return web.json_response(proposal.to_json())
+
+    async def _reject(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        reason = body.get("reason")
+        proposal = self._sup.approvals.reject(
+            request.match_info["proposal_id"],
+            reason=str(reason) if reason is not None else None,
+            by=str(body.get("by", "operator")),
+        )
+        return web.json_response(proposal.to_json())
+
+    # -- invocations, calls, executions ------------------------------------
+
+    async def _invocations(self, request: web.Request) -> web.Response:
+        answer = []
+        for record in await self._sup.store.list_invocations():
+            answer.append(
+                {
+                    "invocation_id": record.invocation_id,
+                    "plan_hash": record.plan_hash,
+                    "created_at": utc_timestamp(record.created_at),
+                    "deadline_at": (
+                        utc_timestamp(record.deadline_at) if record.deadline_at else None
+                    ),
+                    "calls_used": record.used.calls,
+                    "cost_used": record.used.cost,
+                    "executions": [
+                        e.describe() for e in self._sup.executions(record.invocation_id)
+                    ],
+                }
+            )
+        return web.json_response(answer)
+
+    async def _calls(self, request: web.Request) -> web.Response:
+        invocation_id = request.match_info["invocation_id"]
+        if await self._sup.store.get_invocation(invocation_id) is None:
+            return _error(404, "not_found", f"no invocation {invocation_id}")
+        records = await self._sup.store.calls(invocation_id)
+        return web.json_response([record_json(r) for r in records])
+
+    async def _cancel(self, request: web.Request) -> web.Response:
+        execution_id = request.match_info["execution_id"]
+        execution = self._sup.execution(execution_id)
+        if execution is None:
+            return _error(404, "not_found", f"no execution {execution_id}")
+        if not self._sup.cancel(execution_id):
+            return _error(
+                409, "execution_not_live", f"execution {execution_id} is {execution.state}"
+            )
+        return web.json_response(execution.describe())
+
+    async def _revoke(self, request: web.Request) -> web.Response:
+        invocation_id = request.match_info["invocation_id"]
+        tool = request.match_info["tool"]
+        if await self._sup.store.get_invocation(invocation_id) is None:
+            return _error(404, "not_found", f"no invocation {invocation_id}")
+        await self._sup.revoke(invocation_id, tool)
+        return web.json_response({"invocation_id": invocation_id, "tool": tool, "revoked": True})
+
+    async def _launch(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        argv = body.get("argv")
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            raise Refusal("bad_request", "argv must be a non-empty list of strings")
+        unknown = set(body) - {"argv", "invocation", "timeout_s"}
+        if unknown:
+            raise Refusal("bad_request", f"unknown fields {sorted(unknown)}")
+        invocation = body.get("invocation")
+        if invocation is not None and (
+            not isinstance(invocation, str) or not is_valid_id(invocation)
+        ):
+            raise Refusal("bad_request", "invocation ids are 1-128 characters of [A-Za-z0-9._:-]")
+        timeout_s = body.get("timeout_s")
+        if timeout_s is not None and (
+            not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or timeout_s <= 0
+        ):
+            raise Refusal("bad_request", "timeout_s must be a number of seconds > 0")
+        if self._sup.served_plan is None:
+            return _error(409, "no_plan", "this supervisor serves no plan (use hostcall serve)")
+        try:
+            execution = await self._sup.launch(argv, invocation_id=invocation, timeout_s=timeout_s)
+        except OSError as exc:
+            raise Refusal("bad_request", f"cannot start {argv[0]!r}: {exc.strerror}") from None
+        return web.json_response(execution.describe(), status=201)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=self._sup.metrics.render())
+        response.headers["Content-Type"] = CONTENT_TYPE
+        return response

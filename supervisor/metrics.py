@@ -1,0 +1,77 @@
+"""Prometheus metrics of one supervisor, served on the admin socket's ``/metrics``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+#: Latency buckets (seconds): a replay takes well under a millisecond, a
+#: handler that waits for approval may take minutes.
+_BUCKETS: Final = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
+
+
+class Metrics:
+    """Calls by tool and outcome, latency, calls in flight, proposals waiting.
+
+    Each supervisor has its own registry, so two supervisors in one process
+    (tests) do not share counters.
+    """
+
+    def __init__(self, proposals_waiting: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.calls = Counter(
+            "hostcall_calls",
+            "Calls that reached a broker, by tool and outcome (receipt outcomes).",
+            ["tool", "outcome"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "hostcall_call_duration_seconds",
+            "Time from a call reaching its broker to its reply, by tool.",
+            ["tool"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "hostcall_calls_in_flight",
+            "Handlers running now (calls past BeginDispatch, not yet recorded).",
+            registry=self.registry,
+        )
+        waiting = Gauge(
+            "hostcall_proposals_waiting",
+            "Approval proposals waiting for a decision.",
+            registry=self.registry,
+        )
+        waiting.set_function(lambda: float(proposals_waiting()))
+
+    def observe(self, tool: str, outcome: str, seconds: float) -> None:
+        """Count one call that reached a broker."""
+        self.calls.labels(tool=tool, outcome=outcome).inc()
+        self.latency.labels(tool=tool).observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
