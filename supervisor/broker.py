@@ -200,6 +200,14 @@ class Broker:
         self._admissions[call.call_id] = admission
         try:
             outcome = await self._admit(call, admission)
+        except Refusal as refusal:
+            # Joined retries of this call get the same refusal.
+            admission.settled.set_result(
+                CallReply.refused(
+                    call.call_id, refusal, tool=call.tool.name, idempotency_key=call.key
+                )
+            )
+            raise
         except BaseException:
             admission.settled.set_result(None)  # joiners re-check the store
             raise

@@ -14,13 +14,19 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from supervisor.admin import record_json
+from supervisor.admin_client import AdminClient, AdminError, SupervisorNotRunning
 from supervisor.errors import HostcallError
 from supervisor.ids import is_valid_id
 from supervisor.plan import Plan
+from supervisor.receipts import verify_chain
+from supervisor.stores.sqlite import read_calls
 from supervisor.supervisor import RunOutcome, Supervisor
 
 __all__ = ["main"]
 
+#: Exit status when an operation was refused (not waiting, broken chain, not found).
+EXIT_FAILED: Final = 1
 #: Exit status when hostcall itself cannot do what was asked (bad plan, busy state dir).
 EXIT_USAGE: Final = 2
 #: The shell's "command not found".
@@ -70,8 +76,46 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD [ARG…]")
 
+    serve = commands.add_parser("serve", help="a long-running supervisor: launch guests by API")
+    state_dir_option(serve)
+    serve.add_argument("--plan", required=True, help="plan file (TOML) guests run under")
+    serve.add_argument("--store", help="sqlite (default), sqlite:///PATH or memory")
+
     demo = commands.add_parser("demo", help="run the bundled billing example end to end")
     state_dir_option(demo)
+    demo.add_argument(
+        "--auto-approve", action="store_true", help="approve the demo's proposal unattended"
+    )
+
+    approvals = commands.add_parser("approvals", help="list and decide approval proposals")
+    decisions = approvals.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = decisions.add_parser("list", help="proposals, oldest first")
+    state_dir_option(listing)
+    listing.add_argument("--json", action="store_true", help="a JSON array")
+    listing.add_argument(
+        "--state",
+        choices=["waiting", "approved", "rejected", "expired", "cancelled", "dispatched"],
+        help="only proposals in this state",
+    )
+    approve = decisions.add_parser("approve", help="let a waiting call run")
+    state_dir_option(approve)
+    approve.add_argument("id", type=_id, help="proposal id (apr_…)")
+    reject = decisions.add_parser("reject", help="refuse a waiting call")
+    state_dir_option(reject)
+    reject.add_argument("id", type=_id, help="proposal id (apr_…)")
+    reject.add_argument("--reason", help="why (shown to the operator log, not the guest)")
+
+    calls = commands.add_parser("calls", help="an invocation's effect records")
+    state_dir_option(calls)
+    calls.add_argument("invocation", type=_id, help="invocation id")
+    calls.add_argument("--json", action="store_true", help="a JSON array")
+    calls.add_argument("--store", help="read this store when no supervisor runs")
+
+    receipts = commands.add_parser("receipts", help="check receipt files")
+    receipt_actions = receipts.add_subparsers(dest="action", required=True, metavar="ACTION")
+    verify = receipt_actions.add_parser("verify", help="check a receipt file's hash chain")
+    state_dir_option(verify)
+    verify.add_argument("file", type=Path, help="<state_dir>/receipts/<invocation>.jsonl")
     return parser
 
 
@@ -144,7 +188,141 @@ async def _run(args: argparse.Namespace) -> int:
 async def _demo(args: argparse.Namespace) -> int:
     from supervisor.demo import run_demo
 
-    return await run_demo(args.state_dir)
+    return await run_demo(args.state_dir, auto_approve=args.auto_approve)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan)
+    state_dir = _state_dir(args.state_dir)
+    async with Supervisor(state_dir, store=args.store, plan=plan) as sup:
+        print(
+            f"hostcall serve: plan {plan.name} ({plan.plan_hash[:19]}…)\n"
+            f"  channel: {sup.socket_path}\n  admin:   {sup.state.path / 'admin.sock'}\n"
+            "  launch guests with POST /v1/invocations on the admin socket; "
+            "stop with Ctrl-C",
+            file=sys.stderr,
+            flush=True,
+        )
+        await asyncio.Event().wait()  # until SIGINT/SIGTERM cancels us
+    return 0
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def _short(value: Any, width: int = 48) -> str:
+    text = json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _approvals(args: argparse.Namespace) -> int:
+    client = AdminClient(_state_dir(args.state_dir))
+    if args.action == "list":
+        query = f"?state={args.state}" if args.state else ""
+        proposals = client.request("GET", f"/v1/approvals{query}")
+        if args.json:
+            print(json.dumps(proposals, indent=2))
+        elif not proposals:
+            print("no proposals")
+        else:
+            rows = [
+                [
+                    p["id"],
+                    p["state"],
+                    p["tool"],
+                    p["call_id"],
+                    p["invocation_id"],
+                    p["expires_at"],
+                    _short(p["args"]),
+                ]
+                for p in proposals
+            ]
+            print(_table(rows, ["ID", "STATE", "TOOL", "CALL_ID", "INVOCATION", "EXPIRES", "ARGS"]))
+        return 0
+    body = {"reason": args.reason} if args.action == "reject" and args.reason else {}
+    try:
+        proposal = client.request("POST", f"/v1/approvals/{args.id}/{args.action}", body)
+    except AdminError as exc:
+        print(f"hostcall approvals {args.action}: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{proposal['id']}: {proposal['state']} ({proposal['tool']} {proposal['call_id']})")
+    return 0
+
+
+def _calls(args: argparse.Namespace) -> int:
+    state_dir = _state_dir(args.state_dir)
+    try:
+        records = AdminClient(state_dir).request("GET", f"/v1/invocations/{args.invocation}/calls")
+    except SupervisorNotRunning:
+        records = _calls_offline(state_dir, args.store, args.invocation)
+    except AdminError as exc:
+        print(f"hostcall calls: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    if records is None:
+        print(f"hostcall calls: no invocation {args.invocation}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 0
+    rows = [
+        [
+            r["call_id"],
+            r["tool"],
+            r["status"],
+            r["execution_id"],
+            r["updated_at"],
+            _short(r["response"].get("result") if r["response"] else None, 40),
+        ]
+        for r in records
+    ]
+    print(
+        _table(rows, ["CALL_ID", "TOOL", "STATUS", "EXECUTION", "UPDATED", "RESULT"])
+        if rows
+        else "no calls"
+    )
+    return 0
+
+
+def _calls_offline(
+    state_dir: Path, store: str | None, invocation_id: str
+) -> list[dict[str, Any]] | None:
+    """Read a SQLite store directly when no supervisor holds it (read-only)."""
+    spec = store or os.environ.get("HOSTCALL_STORE") or "sqlite"
+    if spec == "sqlite":
+        path = state_dir / "effects.db"
+    elif spec.startswith("sqlite:///"):
+        path = Path(spec.removeprefix("sqlite:///"))
+    else:
+        raise SupervisorNotRunning(
+            f"no supervisor is running on {state_dir}, and store {spec!r} cannot be read offline"
+        )
+    if not path.exists():
+        raise SupervisorNotRunning(f"no supervisor is running on {state_dir} and no {path}")
+    records = read_calls(path, invocation_id)
+    return None if records is None else [record_json(r) for r in records]
+
+
+def _receipts(args: argparse.Namespace) -> int:
+    try:
+        count, broken = verify_chain(args.file)
+    except OSError as exc:
+        print(f"hostcall receipts verify: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    if broken is not None:
+        print(
+            f"{args.file}: line {broken.line}: {broken.problem} "
+            f"({count} receipt(s) before it verified)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    print(f"{args.file}: {count} receipt(s), hash chain intact")
+    return 0
 
 
 def _run_main(coro: Coroutine[Any, Any, int]) -> int:
@@ -180,9 +358,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hostcall`` command."""
     logging.basicConfig(level=logging.WARNING, format="hostcall: %(levelname)s: %(message)s")
     args = _parser().parse_args(argv)
-    handlers = {"run": _run, "demo": _demo}
+    async_commands = {"run": _run, "demo": _demo, "serve": _serve}
+    sync_commands = {"approvals": _approvals, "calls": _calls, "receipts": _receipts}
     try:
-        return _run_main(handlers[args.command](args))
+        if args.command in sync_commands:
+            return sync_commands[args.command](args)
+        return _run_main(async_commands[args.command](args))
     except HostcallError as exc:
         print(f"hostcall {args.command}: {exc.message}", file=sys.stderr)
         return EXIT_USAGE

@@ -240,3 +240,24 @@ async def wait_until(predicate: Callable[[], bool], what: str) -> None:
         while not predicate():
             await asyncio.sleep(0.005)
     assert predicate(), what
+
+
+async def hostcall_cli(*args: str) -> tuple[int, str, str]:
+    """Run the real ``hostcall`` CLI in a subprocess without blocking the loop."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "supervisor.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(STEP_TIMEOUT_S * 2):
+            out, err = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()

@@ -1,0 +1,291 @@
+"""The admin socket and the operator CLI against a real running supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor import Supervisor
+from supervisor.admin_client import AdminClient, AdminError
+from tests.harness import (
+    STEP_TIMEOUT_S,
+    Ledger,
+    billing_plan,
+    driven_guest,
+    hostcall_cli,
+    wait_until,
+)
+
+CHARGE = {"account": "acct_1", "cents": 5}
+
+
+@pytest.fixture
+async def gated(tmp_path: Path) -> AsyncIterator[Supervisor]:
+    """A supervisor whose irreversible tools all wait for approval."""
+    async with Supervisor(tmp_path / "state") as supervisor:
+        yield supervisor
+
+
+async def admin(
+    sup: Supervisor, method: str, path: str, body: dict[str, object] | None = None
+) -> object:
+    return await asyncio.to_thread(AdminClient(sup.state.path).request, method, path, body)
+
+
+async def test_an_operator_lists_and_approves_a_waiting_call_with_the_cli(
+    gated: Supervisor, ledger: Ledger
+) -> None:
+    ledger.release.set()
+    plan = billing_plan(ledger, require_approval_for_irreversible=True)
+    state = str(gated.state.path)
+    async with driven_guest(gated, plan) as guest:
+        call = asyncio.ensure_future(guest.call("c1", "charge", CHARGE))
+        await wait_until(lambda: gated.approvals.waiting() == 1, "a proposal")
+        waiting = await guest.request(method="GET", path="/v1/calls/c1")
+        code, out, err = await hostcall_cli("approvals", "list", "--json", "--state-dir", state)
+        assert code == 0, err
+        [proposal] = json.loads(out)
+        code, table, _ = await hostcall_cli("approvals", "list", "--state-dir", state)
+        code, approved, err = await hostcall_cli(
+            "approvals", "approve", proposal["id"], "--state-dir", state
+        )
+        reply = await call
+        again, _, again_err = await hostcall_cli(
+            "approvals", "approve", proposal["id"], "--state-dir", state
+        )
+    assert waiting["status"] == 202
+    assert waiting["body"]["status"] == "awaiting_approval"
+    assert waiting["body"]["effect"] == "none"
+    assert set(proposal) >= {
+        "id",
+        "state",
+        "invocation_id",
+        "execution_id",
+        "call_id",
+        "tool",
+        "args",
+        "idempotency_key",
+        "created_at",
+        "expires_at",
+    }
+    assert proposal["state"] == "waiting"
+    assert proposal["call_id"] == "c1"
+    assert proposal["args"] == CHARGE
+    assert proposal["idempotency_key"] == waiting["body"]["idempotency_key"]
+    assert proposal["id"] in table
+    assert "STATE" in table
+    assert code == 0, err
+    assert "approved" in approved
+    assert reply["status"] == 200
+    assert reply["body"]["effect"] == "executed"
+    assert again == 1
+    assert "not waiting" in again_err
+    assert ledger.runs["charge"] == 1
+
+
+async def test_an_operator_rejects_with_a_reason_and_nothing_runs(
+    gated: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger, require_approval_for_irreversible=True)
+    state = str(gated.state.path)
+    async with driven_guest(gated, plan) as guest:
+        call = asyncio.ensure_future(guest.call("c1", "charge", CHARGE))
+        await wait_until(lambda: gated.approvals.waiting() == 1, "a proposal")
+        [proposal] = gated.approvals.list()
+        code, _, err = await hostcall_cli(
+            "approvals", "reject", proposal.id, "--reason", "wrong account", "--state-dir", state
+        )
+        reply = await call
+    assert code == 0, err
+    assert reply["status"] == 403
+    assert reply["body"]["error"]["code"] == "approval_rejected"
+    assert proposal.reason == "wrong account"
+    assert ledger.runs == {}
+
+
+async def test_unknown_proposal_ids_and_a_stopped_supervisor_exit_non_zero(
+    gated: Supervisor, tmp_path: Path
+) -> None:
+    code, _, err = await hostcall_cli(
+        "approvals", "approve", "apr_nope", "--state-dir", str(gated.state.path)
+    )
+    assert code == 1
+    assert "apr_nope" in err
+    code, _, err = await hostcall_cli("approvals", "list", "--state-dir", str(tmp_path / "none"))
+    assert code == 2
+    assert "no supervisor is running" in err
+
+
+async def test_calls_shows_effect_records_live_and_after_the_supervisor_stopped(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    state = tmp_path / "state"
+    plan = billing_plan(ledger)
+    async with Supervisor(state) as sup, driven_guest(sup, plan, invocation_id="inv_c") as guest:
+        await guest.call("c1", "charge", CHARGE)
+        await guest.call("m1", "flaky_send", {"to": "x@example.com"})
+        live_code, live, err = await hostcall_cli(
+            "calls", "inv_c", "--json", "--state-dir", str(state)
+        )
+    assert live_code == 0, err
+    code, offline, err = await hostcall_cli("calls", "inv_c", "--json", "--state-dir", str(state))
+    assert code == 0, err
+    code, table, _ = await hostcall_cli("calls", "inv_c", "--state-dir", str(state))
+    missing, _, missing_err = await hostcall_cli("calls", "inv_x", "--state-dir", str(state))
+    for listing in (json.loads(live), json.loads(offline)):
+        assert [(r["call_id"], r["tool"], r["status"]) for r in listing] == [
+            ("c1", "charge", "committed"),
+            ("m1", "flaky_send", "unknown"),
+        ]
+        assert listing[0]["response"]["result"]["charge_id"] == "ch_1"
+    assert "committed" in table
+    assert "unknown" in table
+    assert missing == 1
+    assert "no invocation inv_x" in missing_err
+
+
+async def test_cancelling_an_execution_stops_its_guest_and_refuses_its_waiting_call(
+    gated: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger, require_approval_for_irreversible=True)
+    async with driven_guest(gated, plan) as guest:
+        call = asyncio.ensure_future(guest.call("c1", "charge", CHARGE))
+        await wait_until(lambda: gated.approvals.waiting() == 1, "a proposal")
+        answer = await admin(gated, "POST", f"/v1/executions/{guest.execution.execution_id}/cancel")
+        await wait_until(lambda: guest.execution.broker.outcomes["refused"] == 1, "refusal")
+        with pytest.raises(AdminError) as again:
+            await admin(gated, "POST", f"/v1/executions/{guest.execution.execution_id}/cancel")
+        call.cancel()
+    assert answer == {
+        "execution_id": guest.execution.execution_id,
+        "invocation_id": guest.execution.invocation_id,
+        "state": "cancelled",
+        "guest_pid": guest.execution.guest_pid,
+    }
+    assert again.value.status == 409
+    assert gated.approvals.list()[0].state == "cancelled"
+    receipts = (gated.state.receipts_dir / f"{guest.execution.invocation_id}.jsonl").read_text()
+    assert json.loads(receipts.splitlines()[-1])["error_code"] == "cancelled"
+    assert ledger.runs == {}
+
+
+async def test_a_revoked_tool_stays_revoked_for_later_executions(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with driven_guest(sup, plan, invocation_id="inv_r") as guest:
+        ok = await guest.call("l1", "lookup", {"account": "a"})
+        await admin(sup, "POST", "/v1/invocations/inv_r/tools/lookup/revoke")
+        replay = await guest.call("l1", "lookup", {"account": "a"})
+    async with driven_guest(sup, plan, invocation_id="inv_r") as guest:
+        later = await guest.call("l2", "lookup", {"account": "b"})
+    with pytest.raises(AdminError) as unknown:
+        await admin(sup, "POST", "/v1/invocations/inv_nope/tools/lookup/revoke")
+    assert ok["status"] == 200
+    for reply in (replay, later):
+        assert reply["status"] == 403
+        assert reply["body"]["error"]["code"] == "tool_not_allowed"
+    assert unknown.value.status == 404
+    assert ledger.runs["lookup"] == 1
+
+
+async def test_invocations_lists_budget_use_and_executions(sup: Supervisor, ledger: Ledger) -> None:
+    async with driven_guest(sup, billing_plan(ledger), invocation_id="inv_l") as guest:
+        await guest.call("c1", "charge", CHARGE)
+        listing = await admin(sup, "GET", "/v1/invocations")
+    assert isinstance(listing, list)
+    [entry] = listing
+    assert entry["invocation_id"] == "inv_l"
+    assert entry["calls_used"] == 1
+    assert entry["cost_used"] == 10
+    assert entry["executions"][0]["execution_id"] == guest.execution.execution_id
+    assert entry["executions"][0]["state"] == "running"
+
+
+async def test_metrics_parse_with_prometheus_own_parser(gated: Supervisor, ledger: Ledger) -> None:
+    plan = billing_plan(ledger, require_approval_for_irreversible=True)
+    ledger.release.set()
+    async with driven_guest(gated, plan) as guest:
+        await guest.call("l1", "lookup", {"account": "a"})
+        await guest.call("l1", "lookup", {"account": "a"})
+        await guest.call("x", "nope", {})
+        call = asyncio.ensure_future(guest.call("c1", "charge", CHARGE))
+        await wait_until(lambda: gated.approvals.waiting() == 1, "a proposal")
+        text = await admin(gated, "GET", "/metrics")
+        gated.approvals.approve(gated.approvals.list()[0].id)
+        await call
+    assert isinstance(text, str)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("hostcall_calls_total", (("outcome", "executed"), ("tool", "lookup")))] == 1
+    assert samples[("hostcall_calls_total", (("outcome", "replayed"), ("tool", "lookup")))] == 1
+    assert samples[("hostcall_calls_total", (("outcome", "refused"), ("tool", "nope")))] == 1
+    assert samples[("hostcall_call_duration_seconds_count", (("tool", "lookup"),))] == 2
+    assert samples[("hostcall_proposals_waiting", ())] == 1
+    assert samples[("hostcall_calls_in_flight", ())] == 0
+
+
+async def test_the_admin_socket_is_0600_and_works_from_a_very_long_state_dir(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / ("a" * 80) / ("b" * 80)
+    async with Supervisor(state) as sup:
+        socket_path = state / "admin.sock"
+        mode = socket_path.stat().st_mode & 0o777
+        code, out, err = await hostcall_cli(
+            "approvals", "list", "--json", "--state-dir", str(state)
+        )
+        channel = sup.socket_path
+    assert len(str(socket_path)) > 108
+    assert mode == 0o600
+    assert code == 0, err
+    assert json.loads(out) == []
+    assert len(str(channel)) <= 107
+    assert not socket_path.exists()
+
+
+async def test_bad_admin_requests_get_clear_errors(sup: Supervisor) -> None:
+    for method, path, body, status in [
+        ("POST", "/v1/invocations", {"argv": []}, 400),
+        ("POST", "/v1/invocations", {"argv": ["true"], "extra": 1}, 400),
+        ("POST", "/v1/invocations", {"argv": ["true"], "invocation": "bad id"}, 400),
+        ("POST", "/v1/invocations", {"argv": ["true"], "timeout_s": -1}, 400),
+        ("POST", "/v1/invocations", {"argv": ["true"]}, 409),  # no served plan
+        ("GET", "/v1/approvals/apr_nope", None, 404),
+        ("GET", "/v1/invocations/inv_nope/calls", None, 404),
+        ("POST", "/v1/executions/exe_nope/cancel", None, 404),
+    ]:
+        with pytest.raises(AdminError) as error:
+            await admin(sup, method, path, body)
+        assert error.value.status == status, (method, path, body)
+
+
+async def test_a_served_plan_launches_guests_through_the_admin_api(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with Supervisor(tmp_path / "s", plan=plan) as sup:
+        launched = await admin(
+            sup,
+            "POST",
+            "/v1/invocations",
+            {
+                "argv": ["python3", "-c", "import sys; sys.stdin.read()"],
+                "invocation": "inv_launched",
+                "timeout_s": STEP_TIMEOUT_S,
+            },
+        )
+        assert isinstance(launched, dict)
+        execution = sup.execution(launched["execution_id"])
+        assert execution is not None
+        assert execution.live
+    assert launched["invocation_id"] == "inv_launched"
+    assert not execution.live  # closing the supervisor stopped it
