@@ -77,3 +77,5 @@ class Refusal(HostcallError):
     ) -> None:
         super().__init__(message, code=code)
         self.details = list(details) if details is not None else None
+        #: The approval proposal this refusal came from, if any (for receipts).
+        self.approval_id: str | None = None

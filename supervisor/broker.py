@@ -106,7 +106,9 @@ class Broker:
             outcome = await self._run(_Call(call_id, resolved, model, canonical, key, started_at))
         except Refusal as refusal:
             outcome = _Outcome(
-                CallReply.refused(call_id, refusal, tool=tool, idempotency_key=key), "refused"
+                CallReply.refused(call_id, refusal, tool=tool, idempotency_key=key),
+                "refused",
+                approval_id=refusal.approval_id,
             )
         except StoreUnavailable as exc:
             logger.error("call %s of %s refused: %s", call_id, self.invocation_id, exc)
@@ -258,10 +260,16 @@ class Broker:
                 raise blocked
             if ticket is not None:
                 claimed = ticket.claim_dispatch()
-                if claimed == "expired":
-                    raise Refusal("approval_expired", "the approval lapsed before dispatch")
                 if claimed != "dispatched":
-                    raise Refusal("cancelled", "the call was cancelled before dispatch")
+                    lapsed = Refusal(
+                        *(
+                            ("approval_expired", "the approval lapsed before dispatch")
+                            if claimed == "expired"
+                            else ("cancelled", "the call was cancelled before dispatch")
+                        )
+                    )
+                    lapsed.approval_id = ticket.approval_id
+                    raise lapsed
             begun = await self.store.begin(
                 StartCall(
                     self.invocation_id,
@@ -316,12 +324,16 @@ class Broker:
             )
         finally:
             admission.awaiting_approval = False
+        refusal: Refusal | None = None
         if ticket.decision == "rejected":
-            raise Refusal("approval_rejected", "an operator rejected this call")
-        if ticket.decision == "expired":
-            raise Refusal("approval_expired", "no decision was made before the approval lapsed")
-        if ticket.decision != "approved":
-            raise Refusal("cancelled", "the call was cancelled before dispatch")
+            refusal = Refusal("approval_rejected", "an operator rejected this call")
+        elif ticket.decision == "expired":
+            refusal = Refusal("approval_expired", "no decision was made before the approval lapsed")
+        elif ticket.decision != "approved":
+            refusal = Refusal("cancelled", "the call was cancelled before dispatch")
+        if refusal is not None:
+            refusal.approval_id = ticket.approval_id  # the receipt names the proposal
+            raise refusal
         return ticket
 
     async def _dispatch(self, call: _Call, ticket: ApprovalTicket | None) -> _Outcome:

@@ -18,6 +18,7 @@ from supervisor.admin import record_json
 from supervisor.admin_client import AdminClient, AdminError, SupervisorNotRunning
 from supervisor.errors import HostcallError
 from supervisor.ids import is_valid_id
+from supervisor.limits import Limits
 from supervisor.plan import Plan
 from supervisor.receipts import verify_chain
 from supervisor.stores.sqlite import read_calls
@@ -72,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--invocation", type=_id, help="invocation id; an existing one is resumed")
     run.add_argument("--timeout", type=_positive, help="seconds before the guest is stopped")
     run.add_argument("--attempts", type=int, default=1, help="relaunch a failing guest, N in all")
+    run.add_argument("--memory", type=_positive, metavar="MB", help="RSS limit of the guest tree")
+    run.add_argument("--cpu", type=_positive, metavar="S", help="CPU seconds of the guest tree")
+    run.add_argument("--max-procs", type=int, metavar="N", help="processes in the guest tree")
+    run.add_argument("--max-files", type=int, metavar="N", help="open files in the guest tree")
     run.add_argument("--store", help="sqlite (default), sqlite:///PATH or memory")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD [ARG…]")
@@ -120,39 +125,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _summary(outcome: RunOutcome) -> str:
-    lines = []
-    for execution in outcome.executions:
-        if execution.reason == "timeout":
-            ended = "was stopped by the timeout"
-        elif execution.signal is not None:
-            ended = f"was ended by signal {execution.signal}"
-        else:
-            ended = f"exited with {execution.exit_code}"
-        calls = ", ".join(f"{k} {v}" for k, v in sorted(execution.calls.items())) or "none"
-        lines.append(
-            f"hostcall: invocation {outcome.invocation_id} execution {execution.execution_id} "
-            f"{ended} after {execution.duration_s:.2f} s; calls: {calls}"
-        )
-    return "\n".join(lines)
-
-
-def _outcome_json(outcome: RunOutcome) -> dict[str, Any]:
-    return {
-        "invocation_id": outcome.invocation_id,
-        "exit_status": outcome.exit_status,
-        "executions": [
-            {
-                "execution_id": e.execution_id,
-                "exit_code": e.exit_code,
-                "signal": e.signal,
-                "timed_out": e.timed_out,
-                "reason": e.reason,
-                "duration_s": round(e.duration_s, 6),
-                "calls": dict(e.calls),
-            }
-            for e in outcome.executions
-        ],
-    }
+    return "\n".join(
+        f"hostcall: invocation {outcome.invocation_id} {execution.describe()}"
+        for execution in outcome.executions
+    )
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -165,21 +141,28 @@ async def _run(args: argparse.Namespace) -> int:
     if args.attempts < 1:
         print("hostcall run: --attempts must be at least 1", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        limits = Limits(
+            timeout_s=args.timeout,
+            memory_bytes=int(args.memory * 2**20) if args.memory else None,
+            cpu_s=args.cpu,
+            max_processes=args.max_procs,
+            max_open_files=args.max_files,
+        )
+    except ValueError as exc:
+        print(f"hostcall run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     plan = Plan.load(args.plan)
     async with Supervisor(_state_dir(args.state_dir), store=args.store) as sup:
         try:
             outcome = await sup.run(
-                plan,
-                argv,
-                invocation_id=args.invocation,
-                timeout_s=args.timeout,
-                attempts=args.attempts,
+                plan, argv, invocation_id=args.invocation, limits=limits, attempts=args.attempts
             )
         except FileNotFoundError as exc:
             print(f"hostcall run: cannot start {argv[0]!r}: {exc.strerror}", file=sys.stderr)
             return EXIT_NOT_FOUND
     if args.json:
-        print(json.dumps(_outcome_json(outcome)), file=sys.stderr)
+        print(json.dumps(outcome.to_json()), file=sys.stderr)
     else:
         print(_summary(outcome), file=sys.stderr)
     return outcome.exit_status

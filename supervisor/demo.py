@@ -3,9 +3,14 @@
 It runs ``examples/billing/agent.py`` as a guest under
 ``examples/billing/plan.toml``. The tools write to a real SQLite "bank" in the
 state dir; the agent walks through an executed call, a replayed one, refused
-ones and one whose outcome is unknown. Then the demo prints what the host
-recorded (receipts and effect records) and what the bank holds, so the
-at-most-once guarantee can be checked against the bank itself.
+ones, one whose outcome is unknown and one that waits for an operator's
+approval. Then the demo prints what the host recorded (receipts, effect
+records, proposals) and what the bank holds, so the at-most-once guarantee can
+be checked against the bank itself.
+
+The approval is answered from a second terminal (``hostcall approvals approve
+ID`` or ``reject ID``; the demo prints both commands when the proposal opens),
+or, with ``auto_approve``, by an ``approver`` callback, for unattended runs.
 """
 
 from __future__ import annotations
@@ -14,14 +19,17 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import sqlite3
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import supervisor
+from supervisor.approvals import Proposal
 from supervisor.plan import Plan
 from supervisor.stores.base import EffectRecord
 from supervisor.supervisor import Supervisor
@@ -32,8 +40,11 @@ __all__ = ["BANK_ENV", "EXIT_NO_EXAMPLE", "example_dir", "run_demo"]
 BANK_ENV: Final = "BILLING_BANK_DB"
 #: Exit status when the example is not installed (as the CLI's usage errors).
 EXIT_NO_EXAMPLE: Final = 2
-#: The guest is stopped if it runs longer than this.
+#: The guest is stopped if it runs longer than this plus the plan's approval
+#: lease (its approval step may wait that long for an operator).
 GUEST_TIMEOUT_S: Final = 60.0
+#: The reason the printed ``reject`` command gives.
+REJECT_REASON: Final = "no refund without a ticket"
 _RULE: Final = "─" * 72
 #: What each receipt outcome means, for a reader new to hostcall.
 _MEANING: Final[Mapping[str, str]] = {
@@ -62,7 +73,7 @@ def example_dir() -> Path:
     return folder
 
 
-async def run_demo(state_dir: str | None) -> int:
+async def run_demo(state_dir: str | None, *, auto_approve: bool = False) -> int:
     """Run the billing example and print what happened; returns the agent's exit status.
 
     Returns ``EXIT_NO_EXAMPLE`` (after saying why on stderr) when the example
@@ -71,6 +82,9 @@ async def run_demo(state_dir: str | None) -> int:
     Args:
         state_dir: Where the supervisor keeps its state and the demo its bank;
             when ``None``, ``$HOSTCALL_STATE_DIR``, else a fresh temporary directory.
+        auto_approve: Approve the agent's proposal at once. Otherwise the demo
+            prints how to decide it from a second terminal and waits, at most
+            for the plan's ``approval_timeout_s``, after which it expires.
     """
     try:
         folder = example_dir()
@@ -92,8 +106,11 @@ async def run_demo(state_dir: str | None) -> int:
     print("hostcall demo: a billing agent calls host tools through one audited door")
     print(f"state dir: {path} (effects.db, receipts/, bank.db)")
     print(f"plan: {folder / 'plan.toml'} ({plan.plan_hash[:19]}…)")
+    if not auto_approve:
+        print("step 5 waits for you: approve or reject it from a second terminal")
     print(_RULE, flush=True)
-    async with Supervisor(state_dir=path) as sup:
+    approver = _approver(path.absolute(), auto_approve)
+    async with Supervisor(state_dir=path, approver=approver) as sup:
         # Only once the state dir is ours (locked): a fresh bank for every demo run.
         await asyncio.to_thread(_remove_bank, bank)
         with _environ(BANK_ENV, str(bank)):
@@ -101,14 +118,16 @@ async def run_demo(state_dir: str | None) -> int:
                 plan,
                 [sys.executable, str(folder / "agent.py")],
                 env=guest_env,
-                timeout_s=GUEST_TIMEOUT_S,
+                timeout_s=GUEST_TIMEOUT_S + plan.approval_timeout_s,
             )
         records = await sup.store.calls(outcome.invocation_id)
+        proposals = [p for p in sup.approvals.list() if p.invocation_id == outcome.invocation_id]
         receipts_path = sup.state.receipts_dir / f"{outcome.invocation_id}.jsonl"
     sys.stdout.flush()
     print(_RULE)
     _print_receipts(receipts_path)
     _print_records(records)
+    _print_proposals(proposals)
     _print_bank(bank)
     print(_RULE)
     if outcome.exit_status == 0:
@@ -118,6 +137,36 @@ async def run_demo(state_dir: str | None) -> int:
     else:
         print(f"the agent failed (exit status {outcome.exit_status}); see its output above.")
     return outcome.exit_status
+
+
+def _approver(state_dir: Path, auto_approve: bool) -> Callable[[Proposal], Awaitable[bool | None]]:
+    """The supervisor's ``approver``: called once when a proposal opens.
+
+    It approves at once with ``auto_approve``; otherwise it only tells the
+    operator how to decide and leaves the decision to them (``None``). Async,
+    so it runs on the loop and its lines fall between the agent's, in order.
+    """
+
+    async def approver(proposal: Proposal) -> bool | None:
+        args = json.dumps(proposal.args, separators=(",", ":"))
+        print(f"   host: {proposal.call_id} needs approval, proposal {proposal.id}")
+        print(f"     {proposal.tool} {args}")
+        if auto_approve:
+            print("   host: approved automatically (--auto-approve)", flush=True)
+            return True
+        where = shlex.quote(str(state_dir))
+        reason = shlex.quote(REJECT_REASON)
+        lease = proposal.expires_at - proposal.created_at
+        until = time.strftime("%H:%M:%S %Z", time.localtime(proposal.expires_at))
+        print("   In a second terminal, approve it:")
+        print(f"     hostcall approvals approve {proposal.id} --state-dir {where}")
+        print("   or reject it:")
+        print(f"     hostcall approvals reject {proposal.id} --state-dir {where} --reason {reason}")
+        print(f"   Undecided at {until} (after {lease:g} s), it expires and is refused.")
+        sys.stdout.flush()
+        return None
+
+    return approver
 
 
 def _remove_bank(bank: Path) -> None:
@@ -165,6 +214,12 @@ def _print_receipts(path: Path) -> None:
             receipt["error_code"],
         )
         meaning = _MEANING.get(outcome, "")
+        if approval_id := receipt.get("approval_id"):
+            meaning = (
+                f"ran after approval {approval_id}"
+                if outcome == "executed"
+                else f"{meaning}, approval {approval_id}"
+            )
         if outcome == "refused" and code:
             meaning = f"{code}: nothing ran"
         elif outcome == "unknown" and call_id in seen:
@@ -188,6 +243,21 @@ def _short_response(record: EffectRecord, width: int = 48) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _print_proposals(proposals: Sequence[Proposal]) -> None:
+    print()
+    print("Approval proposals (decisions on calls that needed one):")
+    if not proposals:
+        print("  (none)")
+        return
+    rows = []
+    for p in proposals:
+        decided = p.decided_by or ""
+        if p.reason:
+            decided = f"{decided}: {p.reason}"
+        rows.append([p.id, p.call_id, p.state, decided])
+    _table(["proposal", "call_id", "state", "decided by"], rows)
+
+
 def _print_bank(bank: Path) -> None:
     print()
     print(f"The bank ({bank.name}, written only by the tools):")
@@ -199,5 +269,6 @@ def _print_bank(bank: Path) -> None:
         for account, cents in balances:
             print(f"  {account:<12} {cents:>6} cents")
         charges = db.execute("SELECT count(*) FROM charges").fetchone()[0]
+        refunds = db.execute("SELECT count(*) FROM refunds").fetchone()[0]
         outbox = db.execute("SELECT count(*) FROM outbox").fetchone()[0]
-    print(f"  charges: {charges}   mails in the outbox: {outbox}")
+    print(f"  charges: {charges}   refunds: {refunds}   mails in the outbox: {outbox}")

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from supervisor.broker import Broker
 from supervisor.errors import Refusal
+from supervisor.limits import EndReason
+from supervisor.outcomes import ExecutionOutcome
 
 __all__ = ["Execution", "ExecutionState", "ExecutionTable"]
 
@@ -38,6 +40,10 @@ class Execution:
     #: Called once when the execution stops being live (e.g. to cancel proposals).
     on_end: Callable[[Execution], object] | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Why the supervisor stopped it (a limit), if it did; else a cancel.
+    stop_reason: EndReason | None = None
+    #: How it ended, once it has.
+    outcome: ExecutionOutcome | None = None
 
     @property
     def live(self) -> bool:
@@ -62,12 +68,13 @@ class Execution:
         return Refusal("cancelled", "the execution ended before the call was dispatched")
 
     def describe(self) -> dict[str, object]:
-        """This execution for the admin API."""
+        """This execution for the admin API (with its outcome once it ended)."""
         return {
             "execution_id": self.execution_id,
             "invocation_id": self.invocation_id,
             "state": str(self.state),
             "guest_pid": self.guest_pid,
+            "outcome": self.outcome.to_json() if self.outcome is not None else None,
         }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 from collections.abc import Mapping, Sequence
@@ -17,6 +18,8 @@ from typing import IO, Any, Final, Literal
 
 import psutil
 
+from supervisor.tracking import GuestTree, is_subreaper
+
 __all__ = [
     "STOP_GRACE_S",
     "CredentialTransport",
@@ -24,12 +27,17 @@ __all__ = [
     "guest_environment",
     "launch_guest",
     "stop_tree",
+    "wait_exited",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Time between SIGTERM and SIGKILL when a guest tree is stopped.
 STOP_GRACE_S: Final = 5.0
 #: How often the stop loop checks whether the tree is gone.
 _STOP_POLL_S: Final = 0.02
+#: How often to look for the child watcher's reap once the guest has exited.
+_REAP_POLL_S: Final = 0.002
 
 CredentialTransport = Literal["fd", "env"]
 
@@ -107,12 +115,36 @@ async def launch_guest(
             os.close(read_end)
 
 
-def _tree(pid: int) -> list[psutil.Process]:
+async def wait_exited(process: asyncio.subprocess.Process) -> int:
+    """Wait until the guest process itself has exited; returns its returncode.
+
+    Unlike ``process.wait()`` this does not also wait for its output pipes to
+    close, which a leftover grandchild can hold open forever.
+    """
+    if process.returncode is not None:
+        return process.returncode
+    loop = asyncio.get_running_loop()
     try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
+        pidfd = os.pidfd_open(process.pid)
+    except (OSError, AttributeError):  # no pidfd: poll
+        pidfd = None
+    if pidfd is not None:
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(pidfd, readable)
+        try:
+            await exited
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+    # The event loop's child watcher reaps it and records the code right after.
+    while process.returncode is None:  # noqa: ASYNC110 - no event for the watcher's reap
+        await asyncio.sleep(_STOP_POLL_S if pidfd is None else _REAP_POLL_S)
+    return process.returncode
 
 
 def _group_alive(pgid: int) -> bool:
@@ -129,39 +161,86 @@ def _signal_all(pgid: int, members: list[psutil.Process], signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signum)
     for member in members:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            member.send_signal(signum)
+        with contextlib.suppress(psutil.Error):
+            member.send_signal(signum)  # psutil checks it is still the same process
 
 
-async def stop_tree(process: asyncio.subprocess.Process, *, grace_s: float = STOP_GRACE_S) -> None:
+def _reap_adopted(members: list[psutil.Process], root_pid: int) -> None:
+    """Reap tree members the supervisor adopted as subreaper (never the guest
+    itself: asyncio reaps that one)."""
+    me = os.getpid()
+    for member in members:
+        if member.pid == root_pid:
+            continue
+        with contextlib.suppress(psutil.Error, ChildProcessError, OSError):
+            if member.ppid() == me:
+                os.waitpid(member.pid, os.WNOHANG)
+
+
+async def stop_tree(
+    process: asyncio.subprocess.Process,
+    tree: GuestTree,
+    *,
+    grace_s: float = STOP_GRACE_S,
+) -> list[int]:
     """End the guest and everything it started: TERM, ``grace_s``, then KILL.
 
-    The guest's process group is signalled, and so is every descendant found
-    while the guest still runs (also those that left the group with
-    ``setsid``). Returns once the guest is reaped and the group is empty, or
-    after KILL.
+    Signals the guest's process group and every process of its tree (see
+    :mod:`supervisor.tracking`: descendants, processes seen before that left
+    the group or were reparented, and those carrying the execution's id).
+    Returns the pids still alive afterwards — empty unless something could
+    not be killed.
     """
     pgid = process.pid  # start_new_session: the guest leads its own group
-    members = _tree(process.pid) if process.returncode is None else []
+
+    def everyone(*, scan_environments: bool = False) -> list[psutil.Process]:
+        found = {p.pid: p for p in tree.members()}
+        if scan_environments:  # a full scan of /proc: at the start and before KILL only
+            for marked in tree.marked_processes(adopted_only=is_subreaper()):
+                found.setdefault(marked.pid, marked)
+        for member in found.values():
+            with contextlib.suppress(psutil.Error):
+                tree.seen.setdefault((member.pid, member.create_time()), member)
+        return list(found.values())
+
+    members = everyone(scan_environments=True)
     _signal_all(pgid, members, signal.SIGTERM)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
-    while loop.time() < deadline:
-        if (
-            process.returncode is not None
-            and not _group_alive(pgid)
-            and not any(_alive(m) for m in members)
-        ):
-            return
+    while True:
+        members = [m for m in everyone() if _alive(m)]
+        _reap_adopted(tree_members_with_zombies(tree), process.pid)
+        if process.returncode is not None and not members and not _group_alive(pgid):
+            return []
+        if loop.time() >= deadline:
+            break
         await asyncio.sleep(_STOP_POLL_S)
-    _signal_all(pgid, [m for m in members if _alive(m)], signal.SIGKILL)
+    members = [m for m in everyone(scan_environments=True) if _alive(m)]
+    _signal_all(pgid, members, signal.SIGKILL)
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(grace_s):
-            await process.wait()
+            await wait_exited(process)
+            while any(_alive(m) for m in members):  # noqa: ASYNC110 - no event for other pids
+                await asyncio.sleep(_STOP_POLL_S)
+    _reap_adopted(tree_members_with_zombies(tree), process.pid)
+    survivors = [m.pid for m in members if _alive(m)]
+    if survivors:
+        logger.error("processes of %s survived SIGKILL: %s", tree.execution_id, survivors)
+    return survivors
+
+
+def tree_members_with_zombies(tree: GuestTree) -> list[psutil.Process]:
+    """Every process the tree has seen that still has a pid (zombies included)."""
+    found = []
+    for process in tree.seen.values():
+        with contextlib.suppress(psutil.Error):
+            if process.is_running():
+                found.append(process)
+    return found
 
 
 def _alive(process: psutil.Process) -> bool:
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+    except psutil.Error:
         return False

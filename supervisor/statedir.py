@@ -25,6 +25,11 @@ class StateDir:
         self.run_dir = self.path / "run"
 
     @property
+    def logs_dir(self) -> Path:
+        """Where guest output is kept, per invocation and execution."""
+        return self.path / "logs"
+
+    @property
     def receipts_dir(self) -> Path:
         """Where receipt files live, one per invocation."""
         return self.path / "receipts"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +22,10 @@ from supervisor.broker import Broker
 from supervisor.errors import InvocationMismatch
 from supervisor.executions import Execution, ExecutionState, ExecutionTable
 from supervisor.ids import is_valid_id, mint_credential, new_id
+from supervisor.limits import EndReason, Limits
+from supervisor.logs import LOG_BACKUPS, LOG_MAX_BYTES, Redactor, RotatingLog, pump
 from supervisor.metrics import Metrics
+from supervisor.outcomes import ExecutionOutcome, RunOutcome
 from supervisor.plan import Plan
 from supervisor.process import (
     STOP_GRACE_S,
@@ -29,12 +34,14 @@ from supervisor.process import (
     guest_environment,
     launch_guest,
     stop_tree,
+    wait_exited,
 )
 from supervisor.receipts import ReceiptLog
 from supervisor.statedir import StateDir
 from supervisor.stores import EffectStore, store_from_spec
+from supervisor.tracking import TreeTracker, become_subreaper
 
-__all__ = ["ExecutionOutcome", "RunOutcome", "Supervisor"]
+__all__ = ["ExecutionOutcome", "Limits", "RunOutcome", "Supervisor"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,56 +50,6 @@ ATTEMPT_BACKOFF_S: Final = 0.5
 ATTEMPT_BACKOFF_MAX_S: Final = 10.0
 #: Worker threads for sync handlers (each blocked handler holds one).
 HANDLER_THREADS: Final = 64
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutionOutcome:
-    """How one attempt ended."""
-
-    execution_id: str
-    exit_code: int | None
-    signal: int | None
-    timed_out: bool
-    reason: str  # exited | signalled | timeout | cancelled | launch_failed
-    duration_s: float
-    calls: Mapping[str, int]
-
-    @property
-    def exit_status(self) -> int:
-        """The shell's convention: the code, 128+N for signal N, 124 for a timeout."""
-        if self.timed_out:
-            return 124
-        if self.signal is not None:
-            return 128 + self.signal
-        return self.exit_code if self.exit_code is not None else 1
-
-
-@dataclass(frozen=True, slots=True)
-class RunOutcome:
-    """How a :meth:`Supervisor.run` ended: the last attempt decides the status."""
-
-    invocation_id: str
-    executions: tuple[ExecutionOutcome, ...]
-
-    @property
-    def last(self) -> ExecutionOutcome:
-        """The final attempt."""
-        return self.executions[-1]
-
-    @property
-    def execution_id(self) -> str:
-        """The final attempt's execution id."""
-        return self.last.execution_id
-
-    @property
-    def exit_code(self) -> int | None:
-        """The final attempt's exit code (``None`` if a signal ended it)."""
-        return self.last.exit_code
-
-    @property
-    def exit_status(self) -> int:
-        """What ``hostcall run`` exits with."""
-        return self.last.exit_status
 
 
 @dataclass(eq=False)
@@ -121,6 +78,8 @@ class Supervisor:
         credential_transport: CredentialTransport = "fd",
         max_body: int = DEFAULT_MAX_BODY,
         stop_grace_s: float = STOP_GRACE_S,
+        log_max_bytes: int = LOG_MAX_BYTES,
+        log_backups: int = LOG_BACKUPS,
     ) -> None:
         self.state = StateDir(state_dir)
         self._store_spec = store
@@ -133,6 +92,9 @@ class Supervisor:
         self._credential_transport: CredentialTransport = credential_transport
         self._max_body = max_body
         self._stop_grace_s = stop_grace_s
+        self._log_max_bytes = log_max_bytes
+        self._log_backups = log_backups
+        self._tracker = TreeTracker()
         self._executions = ExecutionTable()
         self._invocations: dict[str, _Invocation] = {}
         self._channel: ChannelServer | None = None
@@ -171,6 +133,8 @@ class Supervisor:
         """Lock the state dir, open the store (pending rows become unknown), serve."""
         self.state.acquire()
         try:
+            # Orphans of a guest's tree become our children, not init's: none escapes.
+            become_subreaper()
             spec = self._store_spec
             if spec is None:
                 spec = os.environ.get("HOSTCALL_STORE")
@@ -210,6 +174,7 @@ class Supervisor:
             await asyncio.gather(*self._launched, return_exceptions=True)
         for execution in self._executions:
             execution.end()
+        await self._tracker.close()
         if self._admin is not None:
             admin, self._admin = self._admin, None
             await admin.close()
@@ -233,6 +198,7 @@ class Supervisor:
         *,
         invocation_id: str | None = None,
         timeout_s: float | None = None,
+        limits: Limits | None = None,
         attempts: int = 1,
         env: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
@@ -241,11 +207,16 @@ class Supervisor:
         stderr: int | IO[Any] | None = None,
         on_start: Callable[[Execution], Awaitable[None] | None] | None = None,
     ) -> RunOutcome:
-        """Run a guest for an invocation until it exits; relaunch up to ``attempts``.
+        """Run a guest for an invocation until it ends; relaunch up to ``attempts``.
 
         A new ``invocation_id`` starts an invocation; an existing one resumes it
         as a new execution: its budget, effect records and receipts carry over
-        and its older executions are fenced.
+        and its older executions are fenced. A guest that exits non-zero is
+        relaunched (with backoff) until ``attempts`` are used up.
+
+        ``stdout``/``stderr`` left as ``None`` pass the guest's output through
+        to this process's own and keep it under ``<state_dir>/logs/``; anything
+        else is handed to the guest as is (and not logged).
 
         Raises:
             InvocationMismatch: the invocation exists with another plan.
@@ -253,30 +224,27 @@ class Supervisor:
         """
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
+        if timeout_s is not None:
+            limits = Limits(
+                timeout_s=timeout_s,
+                memory_bytes=limits.memory_bytes if limits else None,
+                cpu_s=limits.cpu_s if limits else None,
+                max_processes=limits.max_processes if limits else None,
+                max_open_files=limits.max_open_files if limits else None,
+            )
         invocation_id = invocation_id or new_id("inv")
         if not is_valid_id(invocation_id):
             raise ValueError("invocation ids are 1-128 characters of [A-Za-z0-9._:-]")
         invocation = await self._open_invocation(plan, invocation_id)
+        launch = _Launch(argv, limits or Limits(), env, cwd, stdin, stdout, stderr, on_start)
         outcomes: list[ExecutionOutcome] = []
         for attempt in range(attempts):
             if attempt:
                 delay = min(ATTEMPT_BACKOFF_S * 2 ** (attempt - 1), ATTEMPT_BACKOFF_MAX_S)
                 await asyncio.sleep(delay)
-            outcome = await self._run_once(
-                plan,
-                invocation_id,
-                invocation,
-                argv,
-                timeout_s,
-                env=env,
-                cwd=cwd,
-                stdin=stdin,
-                stdout=stdout,
-                stderr=stderr,
-                on_start=on_start,
-            )
+            outcome = await self._run_once(plan, invocation_id, invocation, launch)
             outcomes.append(outcome)
-            if outcome.exit_status == 0:
+            if outcome.exit_status == 0 or outcome.reason == "cancelled":
                 break
         return RunOutcome(invocation_id, tuple(outcomes))
 
@@ -300,25 +268,12 @@ class Supervisor:
             self._invocations[invocation_id] = invocation
         return invocation
 
-    async def _run_once(
-        self,
-        plan: Plan,
-        invocation_id: str,
-        invocation: _Invocation,
-        argv: Sequence[str],
-        timeout_s: float | None,
-        *,
-        env: Mapping[str, str] | None,
-        cwd: str | os.PathLike[str] | None,
-        stdin: int | IO[Any] | None,
-        stdout: int | IO[Any] | None,
-        stderr: int | IO[Any] | None,
-        on_start: Callable[[Execution], Awaitable[None] | None] | None,
-    ) -> ExecutionOutcome:
+    def _new_execution(
+        self, plan: Plan, invocation_id: str, invocation: _Invocation, digest: bytes
+    ) -> Execution:
         for older in self._executions.of_invocation(invocation_id):
             older.end(ExecutionState.FENCED)
         execution_id = new_id("exe")
-        credential, digest = mint_credential()
         execution: Execution
         broker = Broker(
             plan=plan,
@@ -342,51 +297,112 @@ class Supervisor:
             on_end=lambda ended: self.approvals.cancel_execution(ended.execution_id),
         )
         self._executions.add(execution)
-        identity = GuestIdentity(str(self.socket_path), invocation_id, execution_id, plan.plan_hash)
+        return execution
+
+    async def _run_once(
+        self, plan: Plan, invocation_id: str, invocation: _Invocation, launch: _Launch
+    ) -> ExecutionOutcome:
+        credential, digest = mint_credential()
+        execution = self._new_execution(plan, invocation_id, invocation, digest)
+        identity = GuestIdentity(
+            str(self.socket_path), invocation_id, execution.execution_id, plan.plan_hash
+        )
+        capture_out = launch.stdout is None
+        capture_err = launch.stderr is None
         started = time.monotonic()
         try:
             process = await launch_guest(
-                argv,
-                env=guest_environment(os.environ if env is None else env, identity),
+                launch.argv,
+                env=guest_environment(os.environ if launch.env is None else launch.env, identity),
                 credential=credential,
                 transport=self._credential_transport,
-                cwd=cwd,
-                stdin=stdin,
-                stdout=stdout,
-                stderr=stderr,
+                cwd=launch.cwd,
+                stdin=launch.stdin,
+                stdout=asyncio.subprocess.PIPE if capture_out else launch.stdout,
+                stderr=asyncio.subprocess.PIPE if capture_err else launch.stderr,
             )
         except BaseException:
             execution.end()
             raise
-        del credential  # the supervisor keeps only the digest
         execution.guest_pid = process.pid
         execution.process = process
         execution.state = ExecutionState.RUNNING
-        reason = "exited"
+        pumps = self._start_pumps(process, execution, credential, capture_out, capture_err)
+        del credential  # the redactors hold it until the guest's output ends
+
+        def stop_for(reason: EndReason) -> None:
+            execution.stop_reason = reason
+            execution.end(ExecutionState.CANCELLED)
+
+        tree = self._tracker.track(
+            execution.execution_id, process.pid, launch.limits, on_violation=stop_for
+        )
+        reason: EndReason = "exited"
         try:
-            if on_start is not None:
-                maybe = on_start(execution)
+            if launch.on_start is not None:
+                maybe = launch.on_start(execution)
                 if maybe is not None:
                     await maybe
-            reason = await _wait_for_guest(process, execution, timeout_s)
+            reason = await _wait_for_guest(process, execution, launch.limits.timeout_s)
         finally:
             # The credential stops working the moment the execution ends.
             execution.end()
-            await asyncio.shield(stop_tree(process, grace_s=self._stop_grace_s))
-        timed_out = reason == "timeout"
+            await asyncio.shield(stop_tree(process, tree, grace_s=self._stop_grace_s))
+            self._tracker.untrack(execution.execution_id)
+            if pumps:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._stop_grace_s):
+                        await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
         returncode = process.returncode
         signum = -returncode if returncode is not None and returncode < 0 else None
         if reason == "exited" and signum is not None:
             reason = "signalled"
-        return ExecutionOutcome(
-            execution_id=execution_id,
+        outcome = ExecutionOutcome(
+            execution_id=execution.execution_id,
             exit_code=returncode if returncode is not None and returncode >= 0 else None,
             signal=signum,
-            timed_out=timed_out,
             reason=reason,
             duration_s=time.monotonic() - started,
-            calls=dict(broker.outcomes),
+            cpu_s=tree.cpu_s,
+            peak_rss_bytes=tree.peak_rss_bytes,
+            peak_processes=tree.peak_processes,
+            calls=dict(execution.broker.outcomes),
         )
+        execution.outcome = outcome
+        return outcome
+
+    def _start_pumps(
+        self,
+        process: asyncio.subprocess.Process,
+        execution: Execution,
+        credential: str,
+        capture_out: bool,
+        capture_err: bool,
+    ) -> list[asyncio.Task[None]]:
+        folder = self.state.logs_dir / execution.invocation_id
+        pumps = []
+        for name, capture, reader, ours in (
+            ("stdout", capture_out, process.stdout, sys.stdout),
+            ("stderr", capture_err, process.stderr, sys.stderr),
+        ):
+            if not capture or reader is None:
+                continue
+            log = RotatingLog(
+                folder / f"{execution.execution_id}.{name}.log",
+                max_bytes=self._log_max_bytes,
+                backups=self._log_backups,
+            )
+            pumps.append(
+                asyncio.create_task(
+                    pump(
+                        reader,
+                        log=log,
+                        passthrough=_passthrough(ours),
+                        redactor=Redactor(credential.encode()),
+                    )
+                )
+            )
+        return pumps
 
     # -- inspection ------------------------------------------------------------
 
@@ -467,7 +483,7 @@ class Supervisor:
 
 async def _wait_for_guest(
     process: asyncio.subprocess.Process, execution: Execution, timeout_s: float | None
-) -> str:
+) -> EndReason:
     """Wait until the guest exits (``exited``), its execution is cancelled
     (``cancelled``) or the timeout passes (``timeout``).
 
@@ -476,7 +492,7 @@ async def _wait_for_guest(
     """
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
-    exited = asyncio.ensure_future(process.wait())
+    exited = asyncio.ensure_future(wait_exited(process))
     stopped = asyncio.ensure_future(execution.ended.wait())
     waiting: set[asyncio.Future[Any]] = {exited, stopped}
     try:
@@ -490,11 +506,37 @@ async def _wait_for_guest(
             if stopped in done:
                 waiting.discard(stopped)
                 if execution.state is not ExecutionState.FENCED:
-                    return "cancelled"
+                    return execution.stop_reason or "cancelled"
         return "exited"
     finally:
         exited.cancel()
         stopped.cancel()
+
+
+def _passthrough(stream: IO[str]) -> Callable[[bytes], object] | None:
+    buffer = getattr(stream, "buffer", None)
+    if buffer is None:
+        return None
+
+    def write(data: bytes) -> None:
+        buffer.write(data)
+        buffer.flush()
+
+    return write
+
+
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    """How to start each attempt's guest."""
+
+    argv: Sequence[str]
+    limits: Limits
+    env: Mapping[str, str] | None
+    cwd: str | os.PathLike[str] | None
+    stdin: int | IO[Any] | None
+    stdout: int | IO[Any] | None
+    stderr: int | IO[Any] | None
+    on_start: Callable[[Execution], Awaitable[None] | None] | None
 
 
 def _log_failure(task: asyncio.Task[RunOutcome]) -> None:

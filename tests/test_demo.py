@@ -1,48 +1,76 @@
 """``hostcall demo``, run as a user runs it: a real CLI process, a real guest, a real bank.
 
 The bank is checked directly afterwards, so the test does not take the demo's
-own printout as proof that each effect happened once.
+own printout as proof that each effect happened once. The approval step is
+decided by ``--auto-approve``, or by ``hostcall approvals`` run as a second
+process once the demo has printed its instructions (read from its stdout as
+they come, every wait bounded).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import re
+import shlex
+import signal
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import supervisor
+import supervisor.demo
+from supervisor.admin_client import AdminClient
 from supervisor.demo import EXIT_NO_EXAMPLE, example_dir, run_demo
+from supervisor.plan import Plan
 
-#: Upper bound for the whole demo (it takes well under a second).
+#: Upper bound for the whole demo (it takes about a second).
 DEMO_TIMEOUT_S = 120
+#: Upper bound for one ``hostcall approvals`` command.
+CLI_TIMEOUT_S = 30
+#: Bound on stopping a demo a failed test left running (SIGTERM, then SIGKILL).
+STOP_GRACE_S = 10
 #: The agent's charge calls and the memo each one writes into the bank.
 CHARGE_MEMOS = {"charge-1001": "order 1001", "charge-1002": "order 1002"}
+#: The refund the agent asks approval for, as the bank records it.
+REFUND = ("acct_bob", 8_00, "refund of order 1002")
+#: The printed command lines for a second terminal.
+APPROVE_LINE = re.compile(r"^\s+(hostcall approvals approve (apr_\w+) .*)$")
+REJECT_LINE = re.compile(r"^\s+(hostcall approvals reject (apr_\w+) .*)$")
 
 
 @pytest.fixture(scope="module")
 def demo_run(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """One run of ``python -m supervisor.cli demo`` in a fresh state dir."""
+    """One run of ``python -m supervisor.cli demo --auto-approve`` in a fresh state dir."""
     workdir = tmp_path_factory.mktemp("demo")
     state_dir = workdir / "st"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTCALL_")}
     completed = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "demo", "--state-dir", str(state_dir)],
+        [*_CLI, "demo", "--state-dir", str(state_dir), "--auto-approve"],
         cwd=workdir,
-        env=env,
+        env=_clean_env(),
         capture_output=True,
         text=True,
         timeout=DEMO_TIMEOUT_S,
         check=False,
     )
     return completed, state_dir
+
+
+_CLI = (sys.executable, "-m", "supervisor.cli")
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("HOSTCALL_")}
 
 
 def _rows(output: str, call_id: str) -> list[list[str]]:
@@ -84,7 +112,7 @@ def test_the_demo_shows_refusals_for_a_tool_outside_the_plan_and_for_bad_argumen
     assert "Refused invalid_arguments" in output
     assert re.search(r"^\s+cents: Input should be greater than 0$", output, re.MULTILINE)
     # A refusal leaves a receipt but no effect record.
-    assert [row[2:4] for row in _rows(output, "refund-1001")] == [["refused", "tool_not_allowed:"]]
+    assert [row[2:4] for row in _rows(output, "delete-alice")] == [["refused", "tool_not_allowed:"]]
     assert [row[2:4] for row in _rows(output, "charge-bad")] == [["refused", "invalid_arguments:"]]
 
 
@@ -100,6 +128,24 @@ def test_the_demo_shows_an_ambiguous_outcome_that_stays_unknown_when_retried(
     ]
 
 
+def test_an_auto_approved_call_runs_once_and_its_receipt_names_the_approval(
+    demo_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    output = demo_run[0].stdout
+    opened = re.search(r"host: refund-1002 needs approval, proposal (apr_\w+)$", output, re.M)
+    assert opened is not None, output
+    approval_id = opened[1]
+    assert "host: approved automatically (--auto-approve)" in output
+    assert "-> approved and executed: rf_1, acct_bob balance is now 2000 cents" in output
+    assert "hostcall approvals approve" not in output  # nobody is asked
+    assert [row[:3] for row in _rows(output, "refund-1002")] == [
+        ["refund-1002", "refund", "executed"],
+        ["refund-1002", "refund", "committed"],
+    ]
+    assert _rows(output, "refund-1002")[0][-1] == approval_id
+    assert _rows(output, approval_id) == [[approval_id, "refund-1002", "dispatched", "approver"]]
+
+
 def test_the_bank_holds_one_charge_per_charge_call_and_one_mail_though_calls_were_retried(
     demo_run: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:
@@ -107,10 +153,198 @@ def test_the_bank_holds_one_charge_per_charge_call_and_one_mail_though_calls_wer
     with contextlib.closing(sqlite3.connect(bank)) as db:
         charges = dict(db.execute("SELECT memo, count(*) FROM charges GROUP BY memo").fetchall())
         outbox = db.execute("SELECT count(*) FROM outbox").fetchone()[0]
-        balances = dict(db.execute("SELECT account, balance_cents FROM accounts").fetchall())
     assert charges == {memo: 1 for memo in CHARGE_MEMOS.values()}
     assert outbox == 1
-    assert balances == {"acct_alice": 50_00 - 12_50, "acct_bob": 20_00 - 8_00}
+    # The approved refund gave acct_bob's charge back, once.
+    assert _refunds(bank) == [REFUND]
+    assert _balances(bank) == {"acct_alice": 50_00 - 12_50, "acct_bob": 20_00 - 8_00 + 8_00}
+
+
+class _RunningDemo:
+    """A ``demo`` process whose stdout a thread reads line by line, as it comes."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, pattern: re.Pattern[str], timeout: float = DEMO_TIMEOUT_S) -> re.Match[str]:
+        """The first line from here on that matches; fails at EOF or past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no line matched {pattern.pattern} in {timeout} s:\n" + self.output)
+            if line is None:
+                pytest.fail(f"the demo ended before {pattern.pattern}:\n" + self.output)
+            self.lines.append(line)
+            if found := pattern.match(line):
+                return found
+
+    def finish(self, timeout: float = DEMO_TIMEOUT_S) -> int:
+        """Wait for the demo to exit and read the rest of its output; its exit status."""
+        status = self.process.wait(timeout)
+        self._reader.join(timeout)
+        while (line := self._queue.get_nowait()) is not None:
+            self.lines.append(line)
+        return status
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.fixture
+def start_demo(tmp_path: Path) -> Iterator[tuple[_RunningDemo, Path]]:
+    """``python -m supervisor.cli demo --state-dir st`` (relative), waiting for a human."""
+    with (tmp_path / "demo.stderr").open("w") as stderr:
+        process = subprocess.Popen(
+            [*_CLI, "demo", "--state-dir", "st"],
+            cwd=tmp_path,
+            env=_clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        try:
+            yield _RunningDemo(process), tmp_path / "st"
+        finally:
+            if process.poll() is None:  # a failed test: stop it, TERM first
+                process.terminate()
+                try:
+                    process.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(STOP_GRACE_S)
+            assert process.stdout is not None
+            process.stdout.close()
+
+
+def _second_terminal(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run a ``hostcall …`` line the demo printed, exactly as printed."""
+    argv = shlex.split(command)
+    assert argv[0] == "hostcall"
+    return subprocess.run(
+        [*_CLI, *argv[1:]],
+        cwd=cwd,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+
+
+def _balances(bank: Path) -> dict[str, int]:
+    with contextlib.closing(sqlite3.connect(bank)) as db:
+        return dict(db.execute("SELECT account, balance_cents FROM accounts").fetchall())
+
+
+def _refunds(bank: Path) -> list[tuple[str, int, str]]:
+    with contextlib.closing(sqlite3.connect(bank)) as db:
+        return db.execute("SELECT account, cents, memo FROM refunds").fetchall()
+
+
+def test_the_demo_waits_for_an_operator_who_approves_from_a_second_process(
+    start_demo: tuple[_RunningDemo, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    demo, state_dir = start_demo
+    approve = demo.wait_for(APPROVE_LINE)
+    approval_id = approve[2]
+    # The printed command names the state dir absolutely: it works from anywhere.
+    assert f"--state-dir {shlex.quote(str(state_dir))}" in approve[1]
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+
+    approved = _second_terminal(approve[1], elsewhere)
+
+    assert approved.returncode == 0, approved.stderr
+    assert approved.stdout.startswith(f"{approval_id}: approved")
+    assert demo.finish() == 0, demo.output
+    output = demo.output
+    assert "-> approved and executed: rf_1, acct_bob balance is now 2000 cents" in output
+    assert [row[:3] for row in _rows(output, "refund-1002")] == [
+        ["refund-1002", "refund", "executed"],
+        ["refund-1002", "refund", "committed"],
+    ]
+    assert _rows(output, approval_id) == [[approval_id, "refund-1002", "dispatched", "operator"]]
+    assert _refunds(state_dir / "bank.db") == [REFUND]
+
+
+def test_a_call_an_operator_rejects_never_runs_and_cannot_be_approved_afterwards(
+    start_demo: tuple[_RunningDemo, Path],
+) -> None:
+    demo, state_dir = start_demo
+    approve = demo.wait_for(APPROVE_LINE)
+    reject = demo.wait_for(REJECT_LINE)
+    assert reject[2] == approve[2]
+    approval_id = reject[2]
+    # Hold the guest (it is blocked on its refund call), so that the demo is
+    # still serving when the second decision arrives; the guest resumes below.
+    (invocation,) = AdminClient(state_dir).request("GET", "/v1/invocations")
+    guest_pid = invocation["executions"][0]["guest_pid"]
+    os.kill(guest_pid, signal.SIGSTOP)
+    try:
+        rejected = _second_terminal(reject[1], state_dir.parent)
+        too_late = _second_terminal(approve[1], state_dir.parent)
+    finally:
+        os.kill(guest_pid, signal.SIGCONT)
+
+    assert rejected.returncode == 0, rejected.stderr
+    assert rejected.stdout.startswith(f"{approval_id}: rejected")
+    assert too_late.returncode != 0
+    assert "not waiting" in too_late.stderr
+    assert demo.finish() == 0, demo.output
+    output = demo.output
+    assert "-> Refused approval_rejected: nothing ran, acct_bob balance stays 1200 cents" in output
+    assert [row[2:4] for row in _rows(output, "refund-1002")] == [["refused", "approval_rejected:"]]
+    assert _rows(output, approval_id) == [
+        [
+            approval_id,
+            "refund-1002",
+            "rejected",
+            "operator:",
+            *supervisor.demo.REJECT_REASON.split(),
+        ]
+    ]
+    bank = state_dir / "bank.db"
+    assert _refunds(bank) == []
+    assert _balances(bank)["acct_bob"] == 20_00 - 8_00
+
+
+async def test_a_proposal_nobody_decides_expires_and_the_demo_still_exits_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    load = Plan.load
+
+    def short_lease(path: Path) -> Plan:
+        plan = load(path)
+        return Plan(
+            plan.tools.values(),
+            name=plan.name,
+            max_calls=plan.budget.max_calls,
+            max_cost=plan.budget.max_cost,
+            deadline_s=plan.budget.deadline_s,
+            approval_timeout_s=0.5,
+        )
+
+    monkeypatch.setattr(supervisor.demo, "Plan", SimpleNamespace(load=short_lease))
+
+    assert await run_demo(str(tmp_path / "st")) == 0
+
+    output = capfd.readouterr().out
+    assert "hostcall approvals approve apr_" in output
+    assert "-> Refused approval_expired: nothing ran" in output
+    assert re.search(r"^\s+apr_\w+\s+refund-1002\s+expired\s+lease$", output, re.M)
+    assert _refunds(tmp_path / "st" / "bank.db") == []
 
 
 def test_the_demo_says_clearly_when_its_example_is_not_installed(

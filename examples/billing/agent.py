@@ -9,7 +9,9 @@ shows, step by step, what the door between guest and host guarantees:
    gets the stored result: the bank is charged once;
 3. calls the plan does not allow, or with bad arguments, are refused and run
    nothing;
-4. a call whose outcome is in doubt is reported as such, and never run again.
+4. a call whose outcome is in doubt is reported as such, and never run again;
+5. a call the plan marks ``approval = "always"`` waits for an operator: it runs
+   once if approved, and not at all if rejected or left undecided.
 
 The agent cannot reach the bank itself: it only names tools. It exits 0 when
 every step behaved as described, 1 otherwise.
@@ -27,6 +29,12 @@ from guest_client.transport import UnixHTTPConnection
 
 #: Upper bound for the one request this agent sends by hand.
 WIRE_TIMEOUT_S = 30.0
+#: How long the approval step may wait. Longer than the plan's approval lease
+#: (``approval_timeout_s = 300``), so the host's answer — approved, rejected or
+#: expired — always comes back before the client gives up.
+APPROVAL_WAIT_S = 330.0
+#: What the host answers when nobody let the call run.
+NOT_APPROVED = ("approval_rejected", "approval_expired")
 
 
 def say(text: str = "") -> None:
@@ -90,11 +98,11 @@ def step_refused(client: HostClient) -> None:
     """3. Refusals: the host runs nothing and says why."""
     say("3. Refused calls: nothing runs")
     try:
-        client.call("refund", {"account": "acct_alice", "cents": 1250}, call_id="refund-1001")
+        client.call("delete_account", {"account": "acct_alice"}, call_id="delete-alice")
     except Refused as exc:
-        say(f"   refund (not in the plan) -> Refused {exc.code}")
+        say(f"   delete_account (not in the plan) -> Refused {exc.code}")
     else:
-        fail("refund ran, but the plan does not allow it")
+        fail("delete_account ran, but the plan does not allow it")
     bad = {"account": "alice", "cents": -5, "currency": "EUR"}
     try:
         client.call("charge", bad, call_id="charge-bad")
@@ -123,8 +131,25 @@ def step_unknown(client: HostClient) -> None:
     say("   the host will not send it again; ask the mail backend about that key")
 
 
+def step_approval(client: HostClient) -> None:
+    """5. A refund waits for an operator; approved it runs once, otherwise not at all."""
+    say("5. A call that needs an operator's approval")
+    args = {"account": "acct_bob", "cents": 800, "memo": "refund of order 1002"}
+    say("   refund acct_bob 800 cents (call_id refund-1002): waiting for a decision…")
+    try:
+        result = client.call("refund", args, call_id="refund-1002", timeout=APPROVAL_WAIT_S)
+    except Refused as exc:
+        if exc.code not in NOT_APPROVED:
+            fail(f"refund refused with {exc.code}: {exc}")
+        balance = client.call("read_balance", {"account": "acct_bob"}, call_id="balance-bob-end")
+        say(f"   -> Refused {exc.code}: nothing ran, acct_bob balance stays {balance} cents")
+    else:
+        refund_id, balance = result["refund_id"], result["balance_cents"]
+        say(f"   -> approved and executed: {refund_id}, acct_bob balance is now {balance} cents")
+
+
 def main() -> int:
-    """Walk through the four steps; 0 when each behaved as described."""
+    """Walk through the five steps; 0 when each behaved as described."""
     with connect() as client:
         env = client.environment
         say(f"agent: a guest process of invocation {env.invocation}")
@@ -132,6 +157,7 @@ def main() -> int:
         step_replayed(client)
         step_refused(client)
         step_unknown(client)
+        step_approval(client)
     return 0
 
 

@@ -19,7 +19,7 @@ from pydantic import Field
 
 from supervisor import tool
 
-__all__ = ["BANK_ENV", "charge", "read_balance", "send_receipt"]
+__all__ = ["BANK_ENV", "charge", "read_balance", "refund", "send_receipt"]
 
 #: The supervisor-side variable that names the bank's database file.
 BANK_ENV = "BILLING_BANK_DB"
@@ -32,6 +32,12 @@ CREATE TABLE IF NOT EXISTS accounts (
 );
 CREATE TABLE IF NOT EXISTS charges (
     charge_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    account TEXT NOT NULL REFERENCES accounts(account),
+    cents INTEGER NOT NULL,
+    memo TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS refunds (
+    refund_id INTEGER PRIMARY KEY AUTOINCREMENT,
     account TEXT NOT NULL REFERENCES accounts(account),
     cents INTEGER NOT NULL,
     memo TEXT NOT NULL
@@ -97,6 +103,21 @@ def charge(account: Account, cents: Cents, memo: str = "") -> dict[str, Any]:
             "INSERT INTO charges (account, cents, memo) VALUES (?, ?, ?)", (account, cents, memo)
         )
         return {"charge_id": f"ch_{cursor.lastrowid}", "balance_cents": _balance(db, account)}
+
+
+@tool(reversibility="irreversible", target_args=["account"], cost=10)
+def refund(account: Account, cents: Cents, memo: str = "") -> dict[str, Any]:
+    """Give ``cents`` back to the account. Money out of the house: the plan asks a human first."""
+    with _bank() as db:
+        _balance(db, account)  # a refund to an unknown account is a plain error
+        db.execute(
+            "UPDATE accounts SET balance_cents = balance_cents + ? WHERE account = ?",
+            (cents, account),
+        )
+        cursor = db.execute(
+            "INSERT INTO refunds (account, cents, memo) VALUES (?, ?, ?)", (account, cents, memo)
+        )
+        return {"refund_id": f"rf_{cursor.lastrowid}", "balance_cents": _balance(db, account)}
 
 
 @tool(reversibility="irreversible", target_args=["account"], cost=1)

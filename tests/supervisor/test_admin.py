@@ -166,6 +166,7 @@ async def test_cancelling_an_execution_stops_its_guest_and_refuses_its_waiting_c
         "invocation_id": guest.execution.invocation_id,
         "state": "cancelled",
         "guest_pid": guest.execution.guest_pid,
+        "outcome": None,  # the guest tree is still being stopped
     }
     assert again.value.status == 409
     assert gated.approvals.list()[0].state == "cancelled"

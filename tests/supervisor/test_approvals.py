@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,9 @@ async def test_a_rejected_call_is_refused_runs_nothing_and_returns_its_budget(ri
     assert reply.error["code"] == "approval_rejected"
     assert reply.http_status == 403
     assert rig.ledger.runs == {}
+    receipt = json.loads(rig.broker.receipts.path.read_text().splitlines()[-1])
+    assert receipt["approval_id"] == proposal_id
+    assert receipt["error_code"] == "approval_rejected"
     assert invocation is not None
     assert invocation.used.calls == 0
     assert await rig.store.get(INV, "c1") is None

@@ -1,0 +1,244 @@
+"""Tracking the process tree of every live guest.
+
+A guest may start children, leave its process group with ``setsid``, or
+double-fork a daemon that is reparented away from it. hostcall keeps hold of
+all of them three ways:
+
+- the supervisor is a *child subreaper* (Linux ``PR_SET_CHILD_SUBREAPER``):
+  an orphaned descendant is reparented to the supervisor, not to init, so it
+  stays in our process tree;
+- a sampler walks each guest's tree every :data:`SAMPLE_INTERVAL_S`,
+  remembering every process it saw (pid and start time, so a reused pid is
+  not mistaken for it) and measuring CPU, RSS, processes and open files for
+  the limits and the outcome report;
+- every guest process inherits ``HOSTCALL_EXECUTION``; at stop time
+  processes carrying the execution's id are found by their environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+import psutil
+
+from supervisor.limits import EndReason, Limits
+
+__all__ = [
+    "SAMPLE_INTERVAL_S",
+    "GuestTree",
+    "TreeTracker",
+    "become_subreaper",
+    "is_subreaper",
+    "process_map",
+]
+
+logger = logging.getLogger(__name__)
+
+#: How often each live guest's tree is measured.
+SAMPLE_INTERVAL_S: Final = 0.1
+_PR_SET_CHILD_SUBREAPER: Final = 36
+
+_subreaper = False
+
+_Key = tuple[int, float]  # (pid, create_time): a process, not a reusable number
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants of this process its children (Linux). Idempotent."""
+    global _subreaper
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _subreaper = bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):  # not Linux, or no prctl
+        _subreaper = False
+    return _subreaper
+
+
+def is_subreaper() -> bool:
+    """Whether :func:`become_subreaper` succeeded in this process."""
+    return _subreaper
+
+
+def _key(process: psutil.Process) -> _Key:
+    return process.pid, process.create_time()
+
+
+@dataclass(eq=False)
+class GuestTree:
+    """Everything one execution's guest started, and what it has used."""
+
+    execution_id: str
+    root_pid: int
+    limits: Limits
+    on_violation: Callable[[EndReason], None]
+    seen: dict[_Key, psutil.Process] = field(default_factory=dict)
+    cpu_by_process: dict[_Key, float] = field(default_factory=dict)
+    peak_rss_bytes: int = 0
+    peak_processes: int = 0
+    peak_open_files: int = 0
+    violation: EndReason | None = None
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) used by the tree, as last sampled."""
+        return sum(self.cpu_by_process.values())
+
+    def members(self, children_of: dict[int, list[int]] | None = None) -> list[psutil.Process]:
+        """The live processes of the tree: the root, every process seen before
+        that is still the same process (also those that left the group or were
+        reparented), and all their descendants now."""
+        if children_of is None:
+            children_of = process_map()
+        found: dict[int, psutil.Process] = {}
+        with contextlib.suppress(psutil.Error):
+            found[self.root_pid] = psutil.Process(self.root_pid)
+        for process in self.seen.values():
+            # is_running() also compares the start time: a reused pid is not it.
+            if process.pid not in found and _running(process):
+                found[process.pid] = process
+        stack = list(found)
+        while stack:
+            for child in children_of.get(stack.pop(), ()):
+                if child not in found:
+                    with contextlib.suppress(psutil.Error):
+                        found[child] = psutil.Process(child)
+                        stack.append(child)
+        return [p for p in found.values() if _running(p)]
+
+    def sample(self, children_of: dict[int, list[int]] | None = None) -> None:
+        """Measure the tree once and check the limits."""
+        members = self.members(children_of)
+        rss = 0
+        open_files = 0
+        for process in members:
+            key = _key(process)
+            self.seen[key] = process
+            try:
+                with process.oneshot():
+                    times = process.cpu_times()
+                    rss += process.memory_info().rss
+                    if self.limits.max_open_files is not None:
+                        open_files += process.num_fds()
+            except psutil.Error:
+                continue
+            total = times.user + times.system + times.children_user + times.children_system
+            self.cpu_by_process[key] = max(total, self.cpu_by_process.get(key, 0.0))
+        self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+        self.peak_processes = max(self.peak_processes, len(members))
+        self.peak_open_files = max(self.peak_open_files, open_files)
+        self._check(rss, len(members), open_files)
+
+    def _check(self, rss: int, processes: int, open_files: int) -> None:
+        if self.violation is not None:
+            return
+        limits = self.limits
+        reason: EndReason | None = None
+        if limits.memory_bytes is not None and rss > limits.memory_bytes:
+            reason = "memory_limit"
+        elif limits.cpu_s is not None and self.cpu_s > limits.cpu_s:
+            reason = "cpu_limit"
+        elif limits.max_processes is not None and processes > limits.max_processes:
+            reason = "process_limit"
+        elif limits.max_open_files is not None and open_files > limits.max_open_files:
+            reason = "open_files_limit"
+        if reason is not None:
+            self.violation = reason
+            self.on_violation(reason)
+
+    def marked_processes(self, *, adopted_only: bool) -> list[psutil.Process]:
+        """Processes of our uid whose environment names this execution.
+
+        With ``adopted_only`` (the supervisor is a subreaper) only our own
+        children are read: an orphan of the tree can only have been
+        reparented to us.
+        """
+        marker = f"HOSTCALL_EXECUTION={self.execution_id}".encode()
+        uid = os.getuid()
+        me = os.getpid()
+        candidates = (
+            psutil.Process(me).children() if adopted_only else psutil.process_iter(["uids"])
+        )
+        found = []
+        for process in candidates:
+            try:
+                if process.pid in (me, self.root_pid) or process.uids().real != uid:
+                    continue
+                with open(f"/proc/{process.pid}/environ", "rb") as f:
+                    if marker in f.read().split(b"\0"):
+                        found.append(process)
+            except (OSError, psutil.Error, AttributeError):
+                continue
+        return found
+
+
+def process_map() -> dict[int, list[int]]:
+    """Every process's children, from one pass over ``/proc``."""
+    children_of: dict[int, list[int]] = {}
+    for process in psutil.process_iter(["ppid"]):
+        ppid = process.info["ppid"]
+        if ppid is not None:
+            children_of.setdefault(ppid, []).append(process.pid)
+    return children_of
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class TreeTracker:
+    """Samples every tracked guest tree on one timer."""
+
+    def __init__(self, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._trees: dict[str, GuestTree] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def track(
+        self,
+        execution_id: str,
+        root_pid: int,
+        limits: Limits,
+        on_violation: Callable[[EndReason], None],
+    ) -> GuestTree:
+        """Start sampling a guest's tree."""
+        tree = GuestTree(execution_id, root_pid, limits, on_violation)
+        with contextlib.suppress(psutil.Error):
+            tree.sample()
+        self._trees[execution_id] = tree
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="hostcall-tree-sampler")
+        return tree
+
+    def untrack(self, execution_id: str) -> None:
+        """Stop sampling (the tree has been stopped)."""
+        self._trees.pop(execution_id, None)
+
+    async def _run(self) -> None:
+        while self._trees:
+            await asyncio.sleep(self.interval_s)
+            children_of = process_map()  # one pass over /proc for every tree
+            for tree in list(self._trees.values()):
+                try:
+                    tree.sample(children_of)
+                except Exception:  # boundary: one odd process must not stop the sampler
+                    logger.exception("sampling the tree of %s failed", tree.execution_id)
+
+    async def close(self) -> None:
+        """Stop the sampler."""
+        self._trees.clear()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -1,0 +1,295 @@
+"""Guest lifecycle with real processes: whole-tree stop, limits, logs, attempts, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor import Supervisor
+from supervisor.limits import Limits
+from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan
+
+#: A guest that starts a child in its group, a setsid'd grandchild, and a
+#: double-forked daemon (its parent exits at once), writes their pids, says
+#: "ready" and then waits (ignoring SIGTERM, so the KILL step is needed).
+TREE_GUEST = r"""
+import json, os, signal, subprocess, sys, time
+out = sys.argv[1]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+escaped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                           start_new_session=True)
+r, w = os.pipe()
+if os.fork() == 0:                      # the daemon: fork, setsid, fork, parent exits
+    os.setsid()
+    if os.fork() == 0:
+        os.write(w, str(os.getpid()).encode()); os.close(w)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(600)
+    os._exit(0)
+os.close(w)
+daemon = int(os.read(r, 32))
+with open(out, "w") as f:
+    json.dump({"guest": os.getpid(), "child": child.pid, "escaped": escaped.pid,
+               "daemon": daemon}, f)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+async def quick(tmp_path: Path) -> Supervisor:
+    async with Supervisor(tmp_path / "state", stop_grace_s=0.5) as supervisor:
+        yield supervisor  # type: ignore[misc]
+
+
+async def test_a_timeout_ends_the_tree_including_setsid_and_double_forked_daemons(
+    quick: Supervisor, ledger: Ledger, tmp_path: Path
+) -> None:
+    pids_file = tmp_path / "pids.json"
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        outcome = await quick.run(
+            billing_plan(ledger),
+            [sys.executable, "-c", TREE_GUEST, str(pids_file)],
+            timeout_s=2,
+            stdout=asyncio.subprocess.DEVNULL,
+        )
+    pids = json.loads(pids_file.read_text())
+    assert outcome.last.reason == "timeout"
+    assert outcome.exit_status == 124
+    assert len(pids) == 4
+    for name, pid in pids.items():
+        assert not alive(pid), f"{name} ({pid}) survived"
+
+
+async def test_processes_left_behind_after_a_normal_exit_are_ended(
+    quick: Supervisor, ledger: Ledger, tmp_path: Path
+) -> None:
+    guest = (
+        "import subprocess, sys; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],"
+        " start_new_session=True); print(p.pid)"
+    )
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        outcome = await quick.run(
+            billing_plan(ledger),
+            [sys.executable, "-c", guest],
+            stdout=asyncio.subprocess.PIPE,
+            on_start=None,
+        )
+    assert outcome.exit_status == 0
+    leftovers = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+    assert all(p.status() == psutil.STATUS_ZOMBIE for p in leftovers), leftovers
+
+
+MEMORY_HOG = (
+    "x = bytearray(300 * 2**20); x[::4096] = b'1' * len(x[::4096]); import time; time.sleep(60)"
+)
+CPU_HOG = "while True: pass"
+FORKER = (
+    "import subprocess, sys, time\n"
+    "ps = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    " for _ in range(8)]\ntime.sleep(60)"
+)
+FILE_HOG = "import time\nfs = [open('/dev/null') for _ in range(300)]\ntime.sleep(60)"
+
+
+@pytest.mark.parametrize(
+    ("code", "limits", "reason"),
+    [
+        (MEMORY_HOG, Limits(memory_bytes=100 * 2**20), "memory_limit"),
+        (CPU_HOG, Limits(cpu_s=0.5), "cpu_limit"),
+        (FORKER, Limits(max_processes=4), "process_limit"),
+        (FILE_HOG, Limits(max_open_files=100), "open_files_limit"),
+    ],
+)
+async def test_each_limit_stops_the_guest_and_is_named_as_the_reason(
+    quick: Supervisor, ledger: Ledger, code: str, limits: Limits, reason: str
+) -> None:
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        outcome = await quick.run(billing_plan(ledger), [sys.executable, "-c", code], limits=limits)
+    assert outcome.last.reason == reason
+    assert outcome.exit_status == 125
+    if reason == "memory_limit":
+        assert outcome.last.peak_rss_bytes > 100 * 2**20
+    if reason == "cpu_limit":
+        assert outcome.last.cpu_s > 0.5
+    assert not [
+        p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+async def test_the_outcome_reports_cpu_time_and_peak_rss(sup: Supervisor, ledger: Ledger) -> None:
+    code = (
+        "import time\nx = bytearray(64 * 2**20)\nx[::4096] = b'1' * len(x[::4096])\n"
+        "end = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
+    )
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        outcome = await sup.run(billing_plan(ledger), [sys.executable, "-c", code])
+    report = outcome.last.to_json()
+    assert report["reason"] == "exited"
+    assert report["exit_code"] == 0
+    assert report["cpu_s"] >= 0.3
+    assert report["peak_rss_bytes"] >= 64 * 2**20
+    assert report["duration_s"] >= report["cpu_s"] * 0.5
+
+
+async def test_guest_output_passes_through_and_is_logged_without_the_credential(
+    tmp_path: Path, ledger: Ledger, capfd: pytest.CaptureFixture[str]
+) -> None:
+    code = (
+        "import os, sys\n"
+        "cred = os.read(int(os.environ['HOSTCALL_CREDENTIAL_FD']), 100).decode()\n"
+        "print('hello from the guest'); print('my secret is', cred)\n"
+        "sys.stdout.write('split:' + cred[:20]); sys.stdout.flush()\n"
+        "sys.stdout.write(cred[20:] + '\\n'); print('oops', file=sys.stderr)\n"
+    )
+    async with Supervisor(tmp_path / "s") as sup, asyncio.timeout(STEP_TIMEOUT_S):
+        outcome = await sup.run(billing_plan(ledger), [sys.executable, "-c", code])
+        execution = sup.execution(outcome.execution_id)
+    assert execution is not None
+    folder = tmp_path / "s" / "logs" / outcome.invocation_id
+    stdout_log = (folder / f"{outcome.execution_id}.stdout.log").read_text()
+    stderr_log = (folder / f"{outcome.execution_id}.stderr.log").read_text()
+    seen = capfd.readouterr()
+    assert "hello from the guest" in stdout_log
+    assert "hello from the guest" in seen.out
+    assert "oops" in stderr_log
+    assert "oops" in seen.err
+    assert stdout_log.count("[hostcall: credential redacted]") == 2
+    assert seen.out.count("[hostcall: credential redacted]") == 2
+    assert (folder / f"{outcome.execution_id}.stdout.log").stat().st_mode & 0o777 == 0o600
+
+
+async def test_logs_are_size_capped_with_rotation(tmp_path: Path, ledger: Ledger) -> None:
+    code = "import sys\nfor i in range(2000): print(f'line {i:06d} ' + 'x' * 40)"
+    async with Supervisor(tmp_path / "s", log_max_bytes=20_000, log_backups=2) as sup:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            outcome = await sup.run(
+                billing_plan(ledger),
+                [sys.executable, "-c", code],
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+    folder = tmp_path / "s" / "logs" / outcome.invocation_id
+    files = sorted(p.name for p in folder.iterdir())
+    base = f"{outcome.execution_id}.stdout.log"
+    assert files == [base, f"{base}.1", f"{base}.2"]
+    for name in files:
+        assert (folder / name).stat().st_size <= 20_000
+    assert "line 001999" in (folder / base).read_text()
+
+
+ATTEMPT_GUEST = r"""
+import json, os, sys
+from guest_client import connect
+client = connect()
+counter = sys.argv[1]
+n = int(open(counter).read()) if os.path.exists(counter) else 0
+open(counter, "w").write(str(n + 1))
+print(json.dumps({"attempt": n, "execution": os.environ["HOSTCALL_EXECUTION"],
+                  "result": client.call("charge", {"account": "a", "cents": 1}, call_id="c1"),
+                  "budget": client.plan()["budget"]["calls_left"]}), flush=True)
+sys.exit(1 if n < 2 else 0)
+"""
+
+
+async def test_attempts_relaunch_a_failing_guest_as_new_executions_of_one_invocation(
+    sup: Supervisor, ledger: Ledger, tmp_path: Path
+) -> None:
+    counter = tmp_path / "counter"
+    plan = billing_plan(ledger, max_calls=5)
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        outcome = await sup.run(
+            plan,
+            [sys.executable, "-c", ATTEMPT_GUEST, str(counter)],
+            attempts=4,
+            stdout=asyncio.subprocess.PIPE,
+        )
+    assert [e.exit_code for e in outcome.executions] == [1, 1, 0]
+    assert len({e.execution_id for e in outcome.executions}) == 3
+    executions = [sup.execution(e.execution_id) for e in outcome.executions]
+    assert all(e is not None and not e.live for e in executions)
+    calls = [e.calls for e in outcome.executions]
+    assert calls == [{"executed": 1}, {"replayed": 1}, {"replayed": 1}]
+    assert ledger.runs["charge"] == 1  # records carried over between attempts
+    receipts = (sup.state.receipts_dir / f"{outcome.invocation_id}.jsonl").read_text()
+    assert len(receipts.splitlines()) == 3
+
+
+async def test_a_python_api_cancel_stops_the_guest_tree(
+    quick: Supervisor, ledger: Ledger, tmp_path: Path
+) -> None:
+    pids_file = tmp_path / "pids.json"
+    started: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+    run = asyncio.create_task(
+        quick.run(
+            billing_plan(ledger),
+            [sys.executable, "-c", TREE_GUEST, str(pids_file)],
+            stdout=asyncio.subprocess.PIPE,
+            on_start=started.set_result,
+        )
+    )
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        execution = await started
+        assert execution.process.stdout is not None  # type: ignore[attr-defined]
+        assert await execution.process.stdout.readline() == b"ready\n"  # type: ignore[attr-defined]
+        assert quick.cancel(execution.execution_id)  # type: ignore[attr-defined]
+        assert not quick.cancel(execution.execution_id)  # type: ignore[attr-defined]
+        outcome = await run
+    assert outcome.last.reason == "cancelled"
+    assert outcome.exit_status == 128 + 9  # it ignored TERM, so KILL ended it
+    for name, pid in json.loads(pids_file.read_text()).items():
+        assert not alive(pid), f"{name} ({pid}) survived"
+
+
+CALLER = r"""
+import sys
+from guest_client import connect
+client = connect()
+n = int(sys.argv[1])
+for i in range(3):
+    args = {"account": f"g{n}-{i}"}
+    assert client.call("lookup", args, call_id=f"c{i}") == args
+    assert client.call("lookup", args, call_id=f"c{i}") == args
+"""
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_a_hundred_concurrent_guests_are_all_served_and_nothing_leaks(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger)
+    async with Supervisor(tmp_path / "s", plan=plan) as sup:
+        await asyncio.sleep(0)  # let start-up settle before counting fds
+        fds_before = _open_fds()
+        async with asyncio.timeout(STEP_TIMEOUT_S * 4):
+            outcomes = await asyncio.gather(
+                *(sup.run(plan, [sys.executable, "-c", CALLER, str(n)]) for n in range(100))
+            )
+        fds_after = _open_fds()
+        records = [await sup.store.calls(o.invocation_id) for o in outcomes]
+    assert [o.exit_status for o in outcomes] == [0] * 100
+    assert all(o.last.calls == {"executed": 3, "replayed": 3} for o in outcomes)
+    assert all(len(r) == 3 for r in records)
+    assert ledger.runs["lookup"] == 300
+    assert fds_after <= fds_before
+    children = [
+        p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
+    ]
+    assert children == []
