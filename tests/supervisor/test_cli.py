@@ -267,3 +267,107 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_attempts_relaunch_until_success_and_report_each_execution(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    counter = tmp_path / "n"
+    code = (
+        "import pathlib, sys; p = pathlib.Path(sys.argv[1]);"
+        " n = int(p.read_text()) if p.exists() else 0; p.write_text(str(n + 1));"
+        " sys.exit(0 if n == 1 else 7)"
+    )
+    done = hostcall(
+        "run",
+        "--state-dir",
+        str(tmp_path / "st"),
+        "--plan",
+        str(plan_file),
+        "--attempts",
+        "3",
+        "--json",
+        "--",
+        sys.executable,
+        "-c",
+        code,
+        str(counter),
+    )
+    summary = json.loads(done.stderr.strip().splitlines()[-1])
+    assert done.returncode == 0
+    assert [e["exit_code"] for e in summary["executions"]] == [7, 0]
+    assert {"cpu_s", "peak_rss_bytes", "duration_s", "reason", "signal"} <= set(
+        summary["executions"][0]
+    )
+
+
+def test_a_memory_limit_is_reported_and_exits_125(tmp_path: Path, plan_file: Path) -> None:
+    code = (
+        "x = bytearray(400 * 2**20); x[::4096] = b'1' * len(x[::4096]); import time; time.sleep(30)"
+    )
+    done = hostcall(
+        "run",
+        "--state-dir",
+        str(tmp_path / "st"),
+        "--plan",
+        str(plan_file),
+        "--memory",
+        "100",
+        "--",
+        sys.executable,
+        "-c",
+        code,
+    )
+    assert done.returncode == 125
+    assert "stopped by its memory limit" in done.stderr
+
+
+def test_serve_launches_guests_through_the_admin_api_until_sigterm(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    from supervisor.admin_client import AdminClient
+
+    state = tmp_path / "st"
+    calls = json.dumps([["c1", "echo", {"text": "served"}]])
+    with subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "serve",
+            "--state-dir",
+            str(state),
+            "--plan",
+            str(plan_file),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as server:
+        try:
+            assert server.stderr is not None
+            banner = server.stderr.readline()  # printed once both sockets listen
+            assert banner.startswith("hostcall serve: plan cli")
+            client = AdminClient(state)
+            launched = client.request(
+                "POST",
+                "/v1/invocations",
+                {
+                    "argv": [sys.executable, str(GUEST), "calls", calls],
+                    "invocation": "inv_srv",
+                },
+            )
+            assert launched["invocation_id"] == "inv_srv"
+            assert server.stdout is not None
+            # The served guest's output passes through to hostcall serve's own.
+            assert json.loads(server.stdout.readline())["pid"] > 0
+            assert json.loads(server.stdout.readline()) == {"call_id": "c1", "result": "served"}
+            records = client.request("GET", "/v1/invocations/inv_srv/calls")
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(timeout=STEP_TIMEOUT_S) == 128 + signal.SIGTERM
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait(timeout=STEP_TIMEOUT_S)
+    assert records[0]["status"] == "committed"
+    assert not (state / "admin.sock").exists()
