@@ -111,6 +111,9 @@ class AdminServer:
             os.close(peer.pidfd)
         if peer.uid != os.getuid():
             return _error(403, "origin_denied", "the admin API is for the supervisor's own uid")
+        if self._sup.guest_of(peer.pid) is not None:
+            # Guests run as our uid: without this a guest could approve itself.
+            return _error(403, "origin_denied", "guests may not use the admin API")
         try:
             return await handler(request)
         except web.HTTPException as exc:

@@ -410,6 +410,10 @@ class Supervisor:
         """An execution of this supervisor, live or ended."""
         return self._executions.lookup(execution_id)
 
+    def guest_of(self, pid: int) -> str | None:
+        """The execution whose guest tree process ``pid`` belongs to, if any."""
+        return self._tracker.owner_of(pid)
+
     def executions(self, invocation_id: str | None = None) -> list[Execution]:
         """This supervisor's executions (of one invocation), oldest first."""
         if invocation_id is None:

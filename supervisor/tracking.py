@@ -220,6 +220,32 @@ class TreeTracker:
             self._task = asyncio.create_task(self._run(), name="hostcall-tree-sampler")
         return tree
 
+    def owner_of(self, pid: int) -> str | None:
+        """The execution whose guest tree holds process ``pid``, if any.
+
+        A process belongs to a tree if a tree's root is among its ancestors,
+        if the tree has seen it (or an ancestor) before, or if its environment
+        carries an execution's id.
+        """
+        try:
+            process = psutil.Process(pid)
+            lineage = [process, *process.parents()]
+        except psutil.Error:
+            return None
+        keys = set()
+        for member in lineage:
+            with contextlib.suppress(psutil.Error):
+                keys.add(_key(member))
+        for tree in self._trees.values():
+            if tree.root_pid in {m.pid for m in lineage} or keys & tree.seen.keys():
+                return tree.execution_id
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                for entry in f.read().split(b"\0"):
+                    if entry.startswith(b"HOSTCALL_EXECUTION="):
+                        return entry.split(b"=", 1)[1].decode(errors="replace")
+        return None
+
     def untrack(self, execution_id: str) -> None:
         """Stop sampling (the tree has been stopped)."""
         self._trees.pop(execution_id, None)

@@ -290,3 +290,40 @@ async def test_a_served_plan_launches_guests_through_the_admin_api(
         assert execution.live
     assert launched["invocation_id"] == "inv_launched"
     assert not execution.live  # closing the supervisor stopped it
+
+
+async def test_a_guest_cannot_use_the_admin_api_to_approve_itself(
+    gated: Supervisor, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger, require_approval_for_irreversible=True)
+    admin_socket = str(gated.state.path / "admin.sock")
+    async with driven_guest(gated, plan) as guest:
+        call = asyncio.ensure_future(guest.call("c1", "charge", CHARGE))
+        await wait_until(lambda: gated.approvals.waiting() == 1, "a proposal")
+        [proposal] = gated.approvals.list()
+        attempts = [
+            await guest.request(
+                socket=admin_socket,
+                method="POST",
+                path=f"/v1/approvals/{proposal.id}/approve",
+                body={},
+            ),
+            await guest.send(
+                {
+                    "op": "spawn_child",
+                    "request": {
+                        "socket": admin_socket,
+                        "method": "GET",
+                        "path": "/v1/approvals",
+                    },
+                }
+            ),
+        ]
+        state_while_waiting = proposal.state
+        gated.approvals.reject(proposal.id)
+        await call
+    for attempt in attempts:
+        assert attempt["status"] == 403
+        assert attempt["body"]["error"]["code"] == "origin_denied"
+    assert state_while_waiting == "waiting"
+    assert ledger.runs == {}
