@@ -24,6 +24,7 @@ from channel.wire import CallReply
 from supervisor.approvals import ApprovalGate, ApprovalTicket, ProposalRequest
 from supervisor.canonical import idempotency_key, jcs
 from supervisor.errors import Refusal, StoreUnavailable
+from supervisor.faults import crash_point
 from supervisor.metrics import Metrics
 from supervisor.plan import Plan
 from supervisor.receipts import ReceiptLog
@@ -270,6 +271,7 @@ class Broker:
                     )
                     lapsed.approval_id = ticket.approval_id
                     raise lapsed
+            crash_point("before_begin")
             begun = await self.store.begin(
                 StartCall(
                     self.invocation_id,
@@ -287,6 +289,7 @@ class Broker:
                 assert lost is not None
                 return lost
             dispatched = True
+            crash_point("after_begin")
             return ticket
         finally:
             if not dispatched:
@@ -365,6 +368,7 @@ class Broker:
                 error={"code": "tool_error", "type": type(exc).__name__, "message": str(exc)},
             )
             return _Outcome(reply, "failed", approval_id=approval_id)
+        crash_point("after_handler")
         result, problem = _checked_result(tool, raw)
         if problem is None:
             reply = CallReply(
@@ -394,6 +398,7 @@ class Broker:
             logger.error("call %s ran but could not be committed: %s", call.call_id, exc)
             reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
             return _Outcome(reply, "unknown", approval_id=approval_id)
+        crash_point("before_reply")
         return outcome
 
     async def _invoke(self, tool: Tool, model: BaseModel) -> Any:

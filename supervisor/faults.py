@@ -1,0 +1,47 @@
+"""Crash points for the fault-injection harness (``scripts/faults``).
+
+Off unless ``HOSTCALL_FAULT`` is set in the supervisor's environment, e.g.
+``HOSTCALL_FAULT=after_begin:3`` — SIGKILL this process the 3rd time the
+pipeline reaches ``after_begin``. Each point sits where a real crash would
+leave a different state behind:
+
+| point | state a crash there leaves |
+|---|---|
+| ``before_begin`` | nothing recorded: the call never ran |
+| ``after_begin`` | a ``pending`` row, the handler not yet called |
+| ``in_handler`` | a ``pending`` row, the effect done (the harness's handler calls it) |
+| ``after_handler`` | the handler returned; its result not yet committed |
+| ``before_reply`` | committed; the guest never got the answer |
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Final
+
+__all__ = ["POINTS", "crash_point"]
+
+POINTS: Final = ("before_begin", "after_begin", "in_handler", "after_handler", "before_reply")
+
+
+def _parse(value: str | None) -> tuple[str, int] | None:
+    if not value:
+        return None
+    point, _, nth = value.partition(":")
+    if point not in POINTS:
+        raise ValueError(f"HOSTCALL_FAULT: unknown point {point!r}; one of {', '.join(POINTS)}")
+    return point, int(nth or "1")
+
+
+_ARMED: Final = _parse(os.environ.get("HOSTCALL_FAULT"))
+_reached: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    """Die by SIGKILL here if ``HOSTCALL_FAULT`` names this point (and count)."""
+    if _ARMED is None or _ARMED[0] != name:
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    if _reached[name] == _ARMED[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
