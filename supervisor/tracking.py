@@ -239,11 +239,10 @@ class TreeTracker:
         for tree in self._trees.values():
             if tree.root_pid in {m.pid for m in lineage} or keys & tree.seen.keys():
                 return tree.execution_id
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                for entry in f.read().split(b"\0"):
-                    if entry.startswith(b"HOSTCALL_EXECUTION="):
-                        return entry.split(b"=", 1)[1].decode(errors="replace")
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+            for entry in f.read().split(b"\0"):
+                if entry.startswith(b"HOSTCALL_EXECUTION="):
+                    return entry.split(b"=", 1)[1].decode(errors="replace")
         return None
 
     def untrack(self, execution_id: str) -> None:
