@@ -3,22 +3,52 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+import json
+from typing import Any, Final
 
 import rfc8785
 
 __all__ = ["idempotency_key", "jcs", "sha256_hex"]
 
+#: JCS numbers are IEEE doubles: integers beyond this lose precision.
+_MAX_SAFE_INT: Final = 2**53 - 1
+_encode: Final = json.JSONEncoder(
+    ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
+).encode
+
+
+def _is_simple(value: Any) -> bool:
+    """Whether ``value`` holds only what :mod:`json` serializes exactly as JCS does:
+    ASCII keys (sorted the same by code point and by UTF-16 unit), strings,
+    booleans, ``None`` and safe integers — no floats (JCS formats numbers as
+    ECMAScript does, which differs from Python's ``repr``)."""
+    if value is None or isinstance(value, str | bool):
+        return True
+    if isinstance(value, int):
+        return -_MAX_SAFE_INT <= value <= _MAX_SAFE_INT
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and k.isascii() and _is_simple(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_is_simple(v) for v in value)
+    return False
+
 
 def jcs(value: Any) -> bytes:
     """Serialize ``value`` with the JSON Canonicalization Scheme (RFC 8785).
 
+    The common case (no floats, ASCII keys) takes :mod:`json`'s C encoder,
+    whose output is then byte-for-byte JCS (a property test checks it against
+    the ``rfc8785`` package); everything else goes through ``rfc8785``.
+
     Raises:
-        ValueError: ``value`` is not JSON (a set, a NaN, an integer past 2**53 …).
+        ValueError: ``value`` is not JSON (a set, a NaN, an integer past 2**53,
+            a lone surrogate …).
     """
     try:
+        if _is_simple(value):
+            return _encode(value).encode("utf-8")
         return rfc8785.dumps(value)
-    except (rfc8785.CanonicalizationError, TypeError) as exc:
+    except (rfc8785.CanonicalizationError, TypeError, UnicodeEncodeError, RecursionError) as exc:
         raise ValueError(f"not canonical JSON: {exc}") from exc
 
 
