@@ -29,7 +29,7 @@ from supervisor.metrics import Metrics
 from supervisor.plan import Plan
 from supervisor.receipts import ReceiptLog
 from supervisor.replay import Replay, decide_replay
-from supervisor.stores.base import EffectRecord, EffectStatus, EffectStore, StartCall
+from supervisor.stores.base import Charge, EffectRecord, EffectStatus, EffectStore, StartCall
 from supervisor.tools import Tool
 
 __all__ = ["Broker"]
@@ -228,28 +228,32 @@ class Broker:
         # Shielded: a guest that disconnects never cancels a dispatched handler.
         return await asyncio.shield(task)
 
+    def _start(self, call: _Call) -> StartCall:
+        return StartCall(
+            self.invocation_id,
+            call.call_id,
+            call.tool.name,
+            call.key,
+            self.execution_id,
+            call.tool.reversible,
+        )
+
     async def _admit(self, call: _Call, admission: _Admission) -> _Outcome | ApprovalTicket | None:
-        """Steps 5-9. Returns an outcome, or the ticket of a call that won BeginDispatch."""
+        """Steps 5-9. Returns an outcome, or (the ticket of) a call that won BeginDispatch."""
+        if not self.plan.needs_approval(call.tool):
+            return await self._admit_directly(call)
         record = await self.store.get(self.invocation_id, call.call_id)
         early = self._replay_outcome(call, record)
         if early is not None:
             return early
-        if (
-            call.tool.reversibility == "irreversible"
-            and call.tool.target_args
-            and not any(
-                call.args.get(name) not in (None, "", [], {}) for name in call.tool.target_args
-            )
-        ):
-            raise Refusal(
-                "target_required",
-                f"{call.tool.name} needs one of {list(call.tool.target_args)}",
-            )
+        target = _target_refusal(call)
+        if target is not None:
+            raise target
         if self.deadline_at is not None and self.clock() >= self.deadline_at:
-            raise Refusal("budget_exhausted", "the invocation's deadline has passed")
+            raise Refusal("budget_exhausted", _DEADLINE_MESSAGE)
         limits = self.plan.budget
         if not await self.store.reserve(self.invocation_id, call.tool.name, call.tool.cost, limits):
-            raise Refusal("budget_exhausted", "the invocation's budget would be exceeded")
+            raise Refusal("budget_exhausted", _BUDGET_MESSAGE)
         dispatched = False
         try:
             ticket = await self._approve(call, admission)
@@ -272,17 +276,7 @@ class Broker:
                     lapsed.approval_id = ticket.approval_id
                     raise lapsed
             crash_point("before_begin")
-            begun = await self.store.begin(
-                StartCall(
-                    self.invocation_id,
-                    call.call_id,
-                    call.tool.name,
-                    call.key,
-                    self.execution_id,
-                    call.tool.reversible,
-                ),
-                self.clock(),
-            )
+            begun = await self.store.begin(self._start(call), self.clock())
             if not begun.won:
                 # Another request (or replica) got there first: answer from its record.
                 lost = self._replay_outcome(call, begun.record)
@@ -294,6 +288,38 @@ class Broker:
         finally:
             if not dispatched:
                 await self.store.refund(self.invocation_id, call.tool.name, call.tool.cost)
+
+    async def _admit_directly(self, call: _Call) -> _Outcome | None:
+        """Steps 5-9 for a call that needs no approval: nothing waits between the
+        budget and BeginDispatch, so the replay check, the budget charge and the
+        pending insert are one atomic store operation (one fsync)."""
+        target = _target_refusal(call)
+        if target is not None:
+            # SPEC order: the replay check comes before the target check.
+            early = self._replay_outcome(
+                call, await self.store.get(self.invocation_id, call.call_id)
+            )
+            if early is not None:
+                return early
+            raise target
+        blocked = self.dispatch_blocker()
+        if blocked is not None:
+            raise blocked
+        crash_point("before_begin")
+        tool = call.tool
+        begun = await self.store.begin(
+            self._start(call),
+            self.clock(),
+            Charge(tool.name, tool.cost, self.plan.budget, self.deadline_at),
+        )
+        if begun.won:
+            crash_point("after_begin")
+            return None
+        early = self._replay_outcome(call, begun.record)
+        if early is not None:
+            return early
+        deadline = begun.exhausted == "deadline"
+        raise Refusal("budget_exhausted", _DEADLINE_MESSAGE if deadline else _BUDGET_MESSAGE)
 
     def _dispatch_done(self, call_id: str) -> None:
         self._dispatched.pop(call_id, None)
@@ -446,6 +472,18 @@ class Broker:
 
 
 _REUSED_MESSAGE: Final = "this call_id was used before with another tool or other arguments"
+_BUDGET_MESSAGE: Final = "the invocation's budget would be exceeded"
+_DEADLINE_MESSAGE: Final = "the invocation's deadline has passed"
+
+
+def _target_refusal(call: _Call) -> Refusal | None:
+    """SPEC §5.6: an irreversible tool with ``target_args`` needs one of them set."""
+    tool = call.tool
+    if tool.reversibility != "irreversible" or not tool.target_args:
+        return None
+    if any(call.args.get(name) not in (None, "", [], {}) for name in tool.target_args):
+        return None
+    return Refusal("target_required", f"{tool.name} needs one of {list(tool.target_args)}")
 
 
 def _key_of(tool: str, canonical_args: dict[str, Any]) -> str:

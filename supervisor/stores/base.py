@@ -10,19 +10,21 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Literal, Protocol
 
 from supervisor.plan import BudgetLimits
 
 __all__ = [
     "Begun",
     "BudgetUse",
+    "Charge",
     "EffectRecord",
     "EffectStatus",
     "EffectStore",
     "InvocationRecord",
     "StartCall",
     "budget_allows",
+    "charge_refusal",
 ]
 
 
@@ -63,10 +65,30 @@ class StartCall:
 
 @dataclass(frozen=True, slots=True)
 class Begun:
-    """The result of ``begin``: whether this caller won, and the record as it is now."""
+    """The result of ``begin``: whether this caller won, and the record as it is now.
+
+    ``record`` is ``None`` only when there was none and ``exhausted`` says why
+    nothing was inserted: the charge did not fit (``"limits"``) or the
+    invocation's deadline had passed (``"deadline"``).
+    """
 
     won: bool
-    record: EffectRecord
+    record: EffectRecord | None
+    exhausted: Literal["limits", "deadline"] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """Budget that ``begin`` takes in the same atomic step as its insert.
+
+    The broker passes one when nothing (no approval) stands between the budget
+    and BeginDispatch: one transaction, one fsync, instead of two.
+    """
+
+    tool: str
+    cost: float
+    limits: BudgetLimits
+    deadline_at: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +112,19 @@ class InvocationRecord:
 
 
 _COST_EPSILON: Final = 1e-9
+
+
+def charge_refusal(
+    charge: Charge | None, used: BudgetUse | None, now: float
+) -> Literal["limits", "deadline"] | None:
+    """Why ``charge`` cannot be taken now (``None``: it fits, or there is none)."""
+    if charge is None:
+        return None
+    if charge.deadline_at is not None and now >= charge.deadline_at:
+        return "deadline"
+    if used is None or not budget_allows(charge.limits, used, charge.tool, charge.cost):
+        return "limits"
+    return None
 
 
 def budget_allows(limits: BudgetLimits, used: BudgetUse, tool: str, cost: float) -> bool:
@@ -158,8 +193,14 @@ class EffectStore(Protocol):
         """The effect record, or ``None``."""
         ...
 
-    async def begin(self, start: StartCall, now: float) -> Begun:
-        """The insert-if-absent primitive (see the class docstring)."""
+    async def begin(self, start: StartCall, now: float, charge: Charge | None = None) -> Begun:
+        """The insert-if-absent primitive (see the class docstring).
+
+        With ``charge``, a call that would (re)start also takes that budget
+        in the same atomic step — or, if it does not fit or the deadline has
+        passed, nothing is inserted and ``exhausted`` says so. An existing
+        record that is returned unchanged takes no budget.
+        """
         ...
 
     async def commit(

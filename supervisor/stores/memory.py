@@ -11,11 +11,13 @@ from supervisor.plan import BudgetLimits
 from supervisor.stores.base import (
     Begun,
     BudgetUse,
+    Charge,
     EffectRecord,
     EffectStatus,
     InvocationRecord,
     StartCall,
     budget_allows,
+    charge_refusal,
 )
 
 __all__ = ["MemoryEffectStore"]
@@ -86,11 +88,33 @@ class MemoryEffectStore:
         with self._lock:
             return self._records.get((invocation_id, call_id))
 
-    async def begin(self, start: StartCall, now: float) -> Begun:
+    async def begin(self, start: StartCall, now: float, charge: Charge | None = None) -> Begun:
         key = (start.invocation_id, start.call_id)
         with self._lock:
             existing = self._records.get(key)
-            if existing is None:
+            rerun = (
+                existing is not None
+                and start.reversible
+                and existing.status is EffectStatus.UNKNOWN
+                and existing.tool == start.tool
+                and existing.idempotency_key == start.idempotency_key
+            )
+            if existing is not None and not rerun:
+                return Begun(False, existing)
+            invocation = self._invocations.get(start.invocation_id)
+            refused = charge_refusal(charge, invocation.used if invocation else None, now)
+            if refused is not None:
+                return Begun(False, existing, refused)
+            if charge is not None:
+                self._use(start.invocation_id, charge.tool, 1, charge.cost)
+            if existing is not None:
+                record = replace(
+                    existing,
+                    status=EffectStatus.PENDING,
+                    execution_id=start.execution_id,
+                    updated_at=now,
+                )
+            else:
                 record = EffectRecord(
                     start.invocation_id,
                     start.call_id,
@@ -102,23 +126,8 @@ class MemoryEffectStore:
                     now,
                     now,
                 )
-                self._records[key] = record
-                return Begun(True, record)
-            if (
-                start.reversible
-                and existing.status is EffectStatus.UNKNOWN
-                and existing.tool == start.tool
-                and existing.idempotency_key == start.idempotency_key
-            ):
-                record = replace(
-                    existing,
-                    status=EffectStatus.PENDING,
-                    execution_id=start.execution_id,
-                    updated_at=now,
-                )
-                self._records[key] = record
-                return Begun(True, record)
-            return Begun(False, existing)
+            self._records[key] = record
+            return Begun(True, record)
 
     def _update_pending(self, key: tuple[str, str], **changes: Any) -> None:
         record = self._records.get(key)

@@ -23,11 +23,13 @@ from supervisor.plan import BudgetLimits
 from supervisor.stores.base import (
     Begun,
     BudgetUse,
+    Charge,
     EffectRecord,
     EffectStatus,
     InvocationRecord,
     StartCall,
     budget_allows,
+    charge_refusal,
 )
 
 __all__ = ["SCHEMA_VERSION", "SQLiteEffectStore", "read_calls"]
@@ -302,43 +304,54 @@ class SQLiteEffectStore:
     async def get(self, invocation_id: str, call_id: str) -> EffectRecord | None:
         return await self._run(lambda conn: _get_effect(conn, invocation_id, call_id))
 
-    async def begin(self, start: StartCall, now: float) -> Begun:
+    async def begin(self, start: StartCall, now: float, charge: Charge | None = None) -> Begun:
         def op(conn: sqlite3.Connection) -> Begun:
-            inserted = conn.execute(
-                "INSERT INTO effects (invocation_id, call_id, tool, idempotency_key, status,"
-                " execution_id, created_at, updated_at)"
-                " VALUES (?, ?, ?, ?, 'pending', ?, ?, ?) ON CONFLICT DO NOTHING",
-                (
-                    start.invocation_id,
-                    start.call_id,
-                    start.tool,
-                    start.idempotency_key,
-                    start.execution_id,
-                    now,
-                    now,
-                ),
-            ).rowcount
-            won = inserted == 1
-            if not won and start.reversible:
-                won = (
-                    conn.execute(
-                        "UPDATE effects SET status = 'pending', execution_id = ?, updated_at = ?"
-                        " WHERE invocation_id = ? AND call_id = ? AND status = 'unknown'"
-                        " AND tool = ? AND idempotency_key = ?",
-                        (
-                            start.execution_id,
-                            now,
-                            start.invocation_id,
-                            start.call_id,
-                            start.tool,
-                            start.idempotency_key,
-                        ),
-                    ).rowcount
-                    == 1
-                )
+            # One transaction on the only writer: the check, the charge and the
+            # insert are atomic, and cost one fsync together.
+            existing = _get_effect(conn, start.invocation_id, start.call_id)
+            rerun = (
+                existing is not None
+                and start.reversible
+                and existing.status is EffectStatus.UNKNOWN
+                and existing.tool == start.tool
+                and existing.idempotency_key == start.idempotency_key
+            )
+            if existing is not None and not rerun:
+                return Begun(False, existing)
+            if charge is not None:
+                invocation = _get_invocation(conn, start.invocation_id)
+                refused = charge_refusal(charge, invocation.used if invocation else None, now)
+                if refused is not None:
+                    return Begun(False, existing, refused)
+                _use(conn, start.invocation_id, charge.tool, 1, charge.cost)
+            if existing is None:
+                changed = conn.execute(
+                    "INSERT INTO effects (invocation_id, call_id, tool, idempotency_key, status,"
+                    " execution_id, created_at, updated_at)"
+                    " VALUES (?, ?, ?, ?, 'pending', ?, ?, ?) ON CONFLICT DO NOTHING",
+                    (
+                        start.invocation_id,
+                        start.call_id,
+                        start.tool,
+                        start.idempotency_key,
+                        start.execution_id,
+                        now,
+                        now,
+                    ),
+                ).rowcount
+            else:
+                changed = conn.execute(
+                    "UPDATE effects SET status = 'pending', execution_id = ?, updated_at = ?"
+                    " WHERE invocation_id = ? AND call_id = ? AND status = 'unknown'",
+                    (start.execution_id, now, start.invocation_id, start.call_id),
+                ).rowcount
+            if changed != 1:
+                # Cannot happen under BEGIN IMMEDIATE; if it did, the savepoint
+                # rolls the charge back and the call is refused, not run.
+                raise sqlite3.IntegrityError("begin lost a race it cannot lose")
             record = _get_effect(conn, start.invocation_id, start.call_id)
             assert record is not None
-            return Begun(won, record)
+            return Begun(True, record)
 
         return await self._run(op)
 
