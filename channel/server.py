@@ -19,6 +19,7 @@ from aiohttp import web
 
 from channel.errors import Refusal
 from channel.identity import authenticate, check_origin
+from channel.openapi import OPENAPI_PATH, document_bytes
 from channel.routing import ExecutionDirectory, ExecutionPort
 from channel.wire import CallReply, is_valid_id, parse_call_request
 
@@ -77,6 +78,7 @@ class ChannelServer:
         app.router.add_post("/v1/calls", self._post_call)
         app.router.add_get("/v1/calls/{call_id}", self._get_call)
         app.router.add_get("/v1/plan", self._get_plan)
+        app.router.add_get(OPENAPI_PATH, self._get_openapi)
         return app
 
     async def start(self) -> None:
@@ -174,6 +176,12 @@ class ChannelServer:
             body=json.dumps(body, separators=(",", ":")).encode(),
             content_type="application/json",
         )
+
+    async def _get_openapi(self, request: web.Request) -> web.StreamResponse:
+        # Identity first, as on every request (SPEC §4.1): the socket serves
+        # guests, and the document is in the repository for everyone else.
+        self._identify(request)
+        return web.Response(body=document_bytes(), content_type="application/json")
 
 
 def _parse_wait(raw: str | None) -> float:

@@ -7,9 +7,13 @@
     client.call("charge", {"account": "acct_1", "cents": 500}, call_id="call_7")
     client.status("call_7")
 
+The same with asyncio is `guest_client.aio.AsyncHostClient`; model adapters
+(`call_openai`, `call_anthropic`, `tools_for`) are methods of both clients,
+built on `guest_client.adapters`. docs/guests.md is the guide.
+
 Importing this package takes a few milliseconds: `http.client` and `socket`
 load with the first request, `random` with the first retry, `uuid` with the
-first minted `call_id`.
+first minted `call_id`, and `asyncio` only with `guest_client.aio`.
 """
 
 from __future__ import annotations

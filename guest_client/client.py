@@ -11,6 +11,7 @@ import _thread
 import time
 
 from guest_client.env import GuestEnvironment
+from guest_client.errors import HostcallError
 from guest_client.flows import call_flow, plan_flow, status_flow
 from guest_client.retry import Budget, RetryPolicy
 from guest_client.wire import Sleep, TransportFailure, mint_call_id
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from types import TracebackType
     from typing import Any, TypeVar
 
+    from guest_client.adapters import ToolUse
     from guest_client.flows import Flow
     from guest_client.wire import Reply, Transport
 
@@ -170,6 +172,85 @@ class HostClient:
         """
         tools: list[dict[str, Any]] = self.plan(timeout=timeout)["tools"]
         return tools
+
+    def tools_for(self, flavor: str, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """The plan's tools as tool definitions for a model API.
+
+        Args:
+            flavor: `"openai"` (Chat Completions), `"openai-responses"`
+                (Responses API), `"anthropic"` (Messages API) or `"mcp"`
+                (MCP `Tool` objects).
+            timeout: Seconds for the request and its retries.
+
+        Raises:
+            Refused: The request was refused.
+            TransportError: The host could not be reached in time.
+            ValueError: An unknown flavor (raised before any request).
+        """
+        from guest_client.adapters import tool_definitions
+
+        tool_definitions([], flavor)  # An unknown flavor fails before the round trip.
+        return tool_definitions(self.tools(timeout=timeout), flavor)
+
+    def call_openai(self, tool_call: Any, *, timeout: float | None = None) -> dict[str, Any]:
+        """Run an OpenAI function tool call; return the message that answers it.
+
+        The model's id is the `call_id` (see `guest_client.adapters`), so a
+        retried agent step replays the call instead of running it again.
+        Takes Chat Completions tool calls and Responses API `function_call`
+        items, SDK objects or dicts. Returns `{"role": "tool",
+        "tool_call_id", "content"}` for Chat Completions and
+        `{"type": "function_call_output", "call_id", "output"}` for the
+        Responses API. `arguments` that are not a JSON object are refused
+        before anything is sent; refusals the model can act on and tool
+        errors come back as an answer with `{"error": {...}}` content.
+
+        Args:
+            tool_call: The model's tool call.
+            timeout: Seconds for the whole call; default `retry.deadline`.
+
+        Raises:
+            EffectUnknown: The tool may have run.
+            ResultInvalid: The tool ran but its result is invalid.
+            TransportError: The host could not be reached in time.
+            Refused: The guest as a whole was refused (identity, cancelled).
+            ValueError: `tool_call` is not a function tool call.
+        """
+        from guest_client.adapters import openai_tool_use
+
+        return self._call_tool_use(openai_tool_use(tool_call), timeout)
+
+    def call_anthropic(self, block: Any, *, timeout: float | None = None) -> dict[str, Any]:
+        """Run an Anthropic `tool_use` block; return its `tool_result` block.
+
+        The block's id is the `call_id`, as with `call_openai`. Returns
+        `{"type": "tool_result", "tool_use_id", "content"}`, with
+        `"is_error": True` for a refusal the model can act on or a tool
+        error.
+
+        Args:
+            block: The `tool_use` content block, an SDK object or a dict.
+            timeout: Seconds for the whole call; default `retry.deadline`.
+
+        Raises:
+            EffectUnknown: The tool may have run.
+            ResultInvalid: The tool ran but its result is invalid.
+            TransportError: The host could not be reached in time.
+            Refused: The guest as a whole was refused (identity, cancelled).
+            ValueError: `block` is not a `tool_use` block.
+        """
+        from guest_client.adapters import anthropic_tool_use
+
+        return self._call_tool_use(anthropic_tool_use(block), timeout)
+
+    def _call_tool_use(self, use: ToolUse, timeout: float | None) -> dict[str, Any]:
+        if use.problem is not None:
+            return use.answer_error(use.problem)
+        try:
+            result = self.call(use.tool, use.args, call_id=use.call_id, timeout=timeout)
+        except HostcallError as error:
+            return use.answer_error(error)
+        return use.answer(result)
 
     def close(self) -> None:
         """Close the client's connections. Later operations raise RuntimeError."""

@@ -82,11 +82,13 @@ def _call(budget: Budget, call_id: str, body: bytes) -> Flow[Any]:
         return Request("POST", CALLS_PATH, body, timeout)
 
     posts = 0
+    key: str | None = None
     while True:
         posts += 1
-        response = yield from _send(budget, post, call_id, posting=True)
+        response = yield from _send(budget, post, call_id, posting=True, key=key)
         outcome = interpret_call(response, call_id, polling=False)
         if isinstance(outcome, Pending):
+            key = outcome.idempotency_key or key
             outcome = yield from _settle(budget, call_id, outcome)
         if isinstance(outcome, Settled):
             return outcome.result
@@ -99,6 +101,7 @@ def _call(budget: Budget, call_id: str, body: bytes) -> Flow[Any]:
                 "to another request; the host released it, calling again is safe",
                 status=404,
                 call_id=call_id,
+                idempotency_key=key,
                 response=outcome.body,
             )
 
@@ -124,10 +127,12 @@ def _settle(budget: Budget, call_id: str, pending: Pending) -> Flow[Settled | Mi
                 response=pending.body,
             )
         started = budget.clock()
-        response = yield from _send(budget, poll, call_id)
+        response = yield from _send(budget, poll, call_id, key=pending.idempotency_key)
         outcome = interpret_call(response, call_id, polling=True)
         if not isinstance(outcome, Pending):
             return outcome
+        if outcome.idempotency_key is None:
+            outcome.idempotency_key = pending.idempotency_key
         pending = outcome
         polls += 1
         if budget.clock() - started < asked or asked == 0:
@@ -190,9 +195,11 @@ def _send(
     call_id: str | None,
     *,
     posting: bool = False,
+    key: str | None = None,
 ) -> Flow[Response]:
     """One request, resent after transport failures with backoff, within the
-    budget's attempts and deadline. `make_request` gets the time left."""
+    budget's attempts and deadline. `make_request` gets the time left; `key`
+    is the call's idempotency key, when an earlier answer named it."""
     while True:
         reply = yield make_request(max(budget.remaining(), MIN_REQUEST_TIMEOUT_S))
         if isinstance(reply, Response):
@@ -206,15 +213,15 @@ def _send(
         budget.failures += 1
         if budget.failures >= budget.policy.attempts:
             when = f"after {budget.failures} attempts"
-            raise _gave_up(budget, reply, call_id, when) from reply
+            raise _gave_up(budget, reply, call_id, key, when) from reply
         delay = budget.next_delay()
         if delay >= budget.remaining():
-            raise _gave_up(budget, reply, call_id, "before the deadline") from reply
+            raise _gave_up(budget, reply, call_id, key, "before the deadline") from reply
         yield Sleep(delay)
 
 
 def _gave_up(
-    budget: Budget, failure: TransportFailure, call_id: str | None, when: str
+    budget: Budget, failure: TransportFailure, call_id: str | None, key: str | None, when: str
 ) -> TransportError:
     message = f"gave up on the host {when}: {failure}"
     if budget.may_have_run and call_id is not None:
@@ -222,4 +229,6 @@ def _gave_up(
             "; the outcome is unknown: the call may have run. Calling again with "
             f"the same call_id ({call_id}) is safe and tells"
         )
-    return TransportError(message, may_have_run=budget.may_have_run, call_id=call_id)
+    return TransportError(
+        message, may_have_run=budget.may_have_run, call_id=call_id, idempotency_key=key
+    )

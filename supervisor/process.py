@@ -165,16 +165,23 @@ def _signal_all(pgid: int, members: list[psutil.Process], signum: int) -> None:
             member.send_signal(signum)  # psutil checks it is still the same process
 
 
-def _reap_adopted(members: list[psutil.Process], root_pid: int) -> None:
-    """Reap tree members the supervisor adopted as subreaper (never the guest
-    itself: asyncio reaps that one)."""
-    me = os.getpid()
-    for member in members:
-        if member.pid == root_pid:
-            continue
-        with contextlib.suppress(psutil.Error, ChildProcessError, OSError):
-            if member.ppid() == me:
-                os.waitpid(member.pid, os.WNOHANG)
+def _reap_adopted(tree: GuestTree, pgid: int) -> None:
+    """Reap the tree's processes the supervisor adopted as subreaper: those it
+    has seen, and any zombie child of ours still in the guest's process group
+    (a short-lived orphan the sampler never saw). Never the guest itself — the
+    event loop's child watcher reaps that one — and never a child of ours from
+    outside the tree."""
+    seen = set(tree.seen)
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children():
+            if child.pid == tree.root_pid:
+                continue
+            with contextlib.suppress(psutil.Error, ChildProcessError, OSError):
+                ours = (child.pid, child.create_time()) in seen
+                if ours or (
+                    child.status() == psutil.STATUS_ZOMBIE and os.getpgid(child.pid) == pgid
+                ):
+                    os.waitpid(child.pid, os.WNOHANG)
 
 
 async def stop_tree(
@@ -194,6 +201,9 @@ async def stop_tree(
     pgid = process.pid  # start_new_session: the guest leads its own group
 
     def everyone(*, scan_environments: bool = False) -> list[psutil.Process]:
+        for member in tree.members(zombies=True):  # remember zombies: ours to reap later
+            with contextlib.suppress(psutil.Error):
+                tree.seen.setdefault((member.pid, member.create_time()), member)
         found = {p.pid: p for p in tree.members()}
         if scan_environments:  # a full scan of /proc: at the start and before KILL only
             for marked in tree.marked_processes(adopted_only=is_subreaper()):
@@ -209,7 +219,7 @@ async def stop_tree(
     deadline = loop.time() + grace_s
     while True:
         members = [m for m in everyone() if _alive(m)]
-        _reap_adopted(tree_members_with_zombies(tree), process.pid)
+        _reap_adopted(tree, pgid)
         if process.returncode is not None and not members and not _group_alive(pgid):
             return []
         if loop.time() >= deadline:
@@ -222,21 +232,11 @@ async def stop_tree(
             await wait_exited(process)
             while any(_alive(m) for m in members):  # noqa: ASYNC110 - no event for other pids
                 await asyncio.sleep(_STOP_POLL_S)
-    _reap_adopted(tree_members_with_zombies(tree), process.pid)
+    _reap_adopted(tree, pgid)
     survivors = [m.pid for m in members if _alive(m)]
     if survivors:
         logger.error("processes of %s survived SIGKILL: %s", tree.execution_id, survivors)
     return survivors
-
-
-def tree_members_with_zombies(tree: GuestTree) -> list[psutil.Process]:
-    """Every process the tree has seen that still has a pid (zombies included)."""
-    found = []
-    for process in tree.seen.values():
-        with contextlib.suppress(psutil.Error):
-            if process.is_running():
-                found.append(process)
-    return found
 
 
 def _alive(process: psutil.Process) -> bool:

@@ -91,7 +91,9 @@ class GuestTree:
         """CPU seconds (user + system) used by the tree, as last sampled."""
         return sum(self.cpu_by_process.values())
 
-    def members(self, children_of: dict[int, list[int]] | None = None) -> list[psutil.Process]:
+    def members(
+        self, children_of: dict[int, list[int]] | None = None, *, zombies: bool = False
+    ) -> list[psutil.Process]:
         """The live processes of the tree: the root, every process seen before
         that is still the same process (also those that left the group or were
         reparented), and all their descendants now."""
@@ -111,16 +113,22 @@ class GuestTree:
                     with contextlib.suppress(psutil.Error):
                         found[child] = psutil.Process(child)
                         stack.append(child)
+        if zombies:  # exited but not yet reaped: still ours to reap once adopted
+            return [p for p in found.values() if _exists(p)]
         return [p for p in found.values() if _running(p)]
 
     def sample(self, children_of: dict[int, list[int]] | None = None) -> None:
         """Measure the tree once and check the limits."""
-        members = self.members(children_of)
+        members = []
+        for process in self.members(children_of, zombies=True):
+            with contextlib.suppress(psutil.Error):
+                self.seen.setdefault(_key(process), process)
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    members.append(process)
         rss = 0
         open_files = 0
         for process in members:
             key = _key(process)
-            self.seen[key] = process
             try:
                 with process.oneshot():
                     times = process.cpu_times()
@@ -187,6 +195,13 @@ def process_map() -> dict[int, list[int]]:
         if ppid is not None:
             children_of.setdefault(ppid, []).append(process.pid)
     return children_of
+
+
+def _exists(process: psutil.Process) -> bool:
+    try:
+        return process.is_running()
+    except psutil.Error:
+        return False
 
 
 def _running(process: psutil.Process) -> bool:

@@ -27,6 +27,9 @@ FAST_RETRY = RetryPolicy(attempts=4, backoff_base=0.001, backoff_max=0.005, dead
 # Longest any handler blocks on a HANG entry; the fixture releases it sooner.
 HANG_LIMIT_S = 10.0
 
+#: The `make_client` fixture: `make(retry=FAST_RETRY, *, sleeps=None)` -> a client.
+MakeClient = Callable[..., Any]
+
 
 @dataclass(frozen=True)
 class Reply:
@@ -156,6 +159,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class _Server(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 128  # many clients connect at once in the async tests
 
     def __init__(self, host: ScriptedHost) -> None:
         self.host = host

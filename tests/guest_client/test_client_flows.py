@@ -221,8 +221,24 @@ def test_a_call_whose_record_keeps_vanishing_stops_with_a_tool_error() -> None:
     assert send(flow, IN_FLIGHT).method == "GET"
     assert send(flow, gone).method == "POST"
     assert send(flow, IN_FLIGHT).method == "GET"
-    with pytest.raises(ToolError, match="calling again is safe"):
+    with pytest.raises(ToolError, match="calling again is safe") as caught:
         send(flow, gone)
+
+    assert (caught.value.call_id, caught.value.idempotency_key) == ("c", "k")
+
+
+def test_giving_up_on_polling_an_in_flight_call_names_its_idempotency_key() -> None:
+    flow = call_flow(Budget(RetryPolicy(attempts=2), FakeClock(), uniform=top), "c", "t", None)
+
+    start(flow)
+    assert send(flow, IN_FLIGHT).method == "GET"
+    assert isinstance(send(flow, LOST), Sleep)
+    assert send(flow, None).method == "GET"
+    with pytest.raises(TransportError) as caught:
+        send(flow, LOST)
+
+    error = caught.value
+    assert (error.call_id, error.idempotency_key, error.may_have_run) == ("c", "k", True)
 
 
 def test_status_checks_its_arguments_before_sending_anything() -> None:

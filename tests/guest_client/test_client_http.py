@@ -1,4 +1,8 @@
-"""The sync client against a scripted host on a real Unix socket."""
+"""Both clients against a scripted host on a real Unix socket.
+
+`client` and `make_client` give the sync `HostClient` and the asyncio
+`AsyncHostClient` in turn (see conftest): every behaviour here holds for both.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from client_fakehost import (
     HANG,
     INVOCATION,
     PLAN_HASH,
+    MakeClient,
     Reply,
     ScriptedHost,
     ambiguous,
@@ -23,7 +28,6 @@ from client_fakehost import (
 
 from guest_client import (
     EffectUnknown,
-    GuestEnvironment,
     HostcallError,
     HostClient,
     ProtocolError,
@@ -32,20 +36,9 @@ from guest_client import (
     RetryPolicy,
     ToolError,
     TransportError,
-    connect,
 )
 
 CALL_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-def recording_client(sleeps: list[float], retry: RetryPolicy = FAST_RETRY) -> HostClient:
-    """A client whose backoff sleeps are recorded (and still taken)."""
-
-    def sleep(seconds: float) -> None:
-        sleeps.append(seconds)
-        time.sleep(seconds)
-
-    return HostClient(GuestEnvironment.from_environ(), retry=retry, sleep=sleep)
 
 
 def test_every_request_carries_the_guest_identity_headers(
@@ -307,11 +300,11 @@ def test_a_host_that_drops_every_request_fails_after_the_policy_attempts(
 
 
 def test_a_missing_socket_fails_with_transport_error_saying_nothing_ran(
-    guest_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, socket_dir: str
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch, socket_dir: str
 ) -> None:
     monkeypatch.setenv("HOSTCALL_SOCKET", f"{socket_dir}/absent.sock")
 
-    with connect(retry=FAST_RETRY) as client, pytest.raises(TransportError) as caught:
+    with make_client() as client, pytest.raises(TransportError) as caught:
         client.call("charge", call_id="c")
 
     assert not caught.value.may_have_run
@@ -320,13 +313,13 @@ def test_a_missing_socket_fails_with_transport_error_saying_nothing_ran(
 
 
 def test_a_host_that_never_answers_fails_by_the_deadline(
-    host: ScriptedHost, guest_env: dict[str, str]
+    host: ScriptedHost, make_client: MakeClient
 ) -> None:
     host.default = HANG
     policy = RetryPolicy(attempts=100, backoff_base=0.01, backoff_max=0.02, deadline=0.5)
 
     started = time.monotonic()
-    with connect(retry=policy) as client, pytest.raises(TransportError) as caught:
+    with make_client(policy) as client, pytest.raises(TransportError) as caught:
         client.call("charge", call_id="c")
 
     assert time.monotonic() - started < 3
@@ -345,13 +338,13 @@ def test_a_kept_alive_connection_is_reused(host: ScriptedHost, client: HostClien
 
 @pytest.mark.parametrize("closing", ["connection_close", "close_silently"])
 def test_a_connection_the_host_closed_is_replaced_without_a_backoff(
-    host: ScriptedHost, guest_env: dict[str, str], closing: str
+    host: ScriptedHost, make_client: MakeClient, closing: str
 ) -> None:
     first = ok("a", 1)
     host.answer(Reply(first.status, first.body, **{closing: True}), ok("b", 2))
     sleeps: list[float] = []
 
-    with recording_client(sleeps) as client:
+    with make_client(sleeps=sleeps) as client:
         assert client.call("charge", call_id="a") == 1
         assert client.call("charge", call_id="b") == 2
 
@@ -413,7 +406,7 @@ def test_a_closed_client_refuses_to_send(host: ScriptedHost, client: HostClient)
 
 
 def test_the_credential_appears_in_no_error_message_or_repr(
-    host: ScriptedHost, guest_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    host: ScriptedHost, make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     host.answer(
         refused(401, "unauthenticated", "a"),
@@ -423,7 +416,7 @@ def test_the_credential_appears_in_no_error_message_or_repr(
     )
     host.default = DROP
     errors: list[HostcallError] = []
-    with connect(retry=FAST_RETRY) as client:
+    with make_client() as client:
         for call_id in ("a", "b", "d", "e", "f"):
             try:
                 client.call("charge", {"x": 1}, call_id=call_id)
@@ -431,7 +424,7 @@ def test_the_credential_appears_in_no_error_message_or_repr(
                 errors.append(error)
         texts = [repr(client), repr(client.environment)]
     monkeypatch.setenv("HOSTCALL_SOCKET", "/nonexistent/channel.sock")
-    with connect(retry=RetryPolicy(attempts=1)) as client:
+    with make_client(RetryPolicy(attempts=1)) as client:
         try:
             client.call("charge", call_id="g")
         except HostcallError as error:

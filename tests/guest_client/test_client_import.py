@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import guest_client
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -17,20 +19,23 @@ ROOT = str(Path(__file__).resolve().parents[2])
 DEFERRED = ["http.client", "socket", "ssl", "email", "json", "random", "uuid", "select"]
 HEAVY = ["typing", "dataclasses", "inspect", "asyncio", "threading"]
 
-PROBE = f"""
+# Loaded on first use of what needs them: the async client and the adapters.
+LAZY_PARTS = ["guest_client.aio", "guest_client.aio_transport", "guest_client.adapters"]
+
+PROBE = """
 import json, sys
-sys.path.insert(0, {ROOT!r})
+sys.path.insert(0, {root!r})
 before = set(sys.modules)
-import guest_client
+import {module}
 loaded = sorted(set(sys.modules) - before)
 print(json.dumps({{"loaded": loaded, "stdlib": sorted(sys.stdlib_module_names)}}))
 """
 
 
-def _probe() -> tuple[list[str], set[str]]:
+def _probe(module: str = "guest_client") -> tuple[list[str], set[str]]:
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     completed = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", PROBE],
+        [sys.executable, "-I", "-S", "-c", PROBE.format(root=ROOT, module=module)],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -42,8 +47,9 @@ def _probe() -> tuple[list[str], set[str]]:
     return report["loaded"], set(report["stdlib"])
 
 
-def test_guest_client_imports_with_only_the_standard_library() -> None:
-    loaded, stdlib = _probe()
+@pytest.mark.parametrize("module", ["guest_client", *LAZY_PARTS])
+def test_guest_client_imports_with_only_the_standard_library(module: str) -> None:
+    loaded, stdlib = _probe(module)
 
     foreign = [
         name
@@ -61,6 +67,7 @@ def test_importing_guest_client_defers_sockets_json_and_typing_to_first_use() ->
     early = [name for name in loaded if name in unwanted or name.partition(".")[0] in unwanted]
     assert early == []
     assert "guest_client.transport" not in loaded
+    assert [name for name in LAZY_PARTS if name in loaded] == []
 
 
 def test_the_package_exports_exactly_its_public_api() -> None:

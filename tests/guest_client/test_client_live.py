@@ -76,3 +76,65 @@ async def test_a_retry_of_an_in_flight_call_long_polls_and_gets_the_single_resul
     assert out["refused"] == "tool_not_allowed"
     assert out["tool_error"] == ["ValueError", "no such thing"]
     assert "charge" in out["tools"]
+
+
+ADAPTER_GUEST = r"""
+import json
+from guest_client import connect
+
+client = connect()
+step = {"id": "call_Ab12", "type": "function",
+        "function": {"name": "charge", "arguments": '{"account": "acct_9", "cents": 700}'}}
+out = {
+    "first": client.call_openai(step),
+    "retried_step": client.call_openai(step),
+    "anthropic": client.call_anthropic(
+        {"type": "tool_use", "id": "toolu_01X", "name": "lookup", "input": {"account": "acct_9"}}),
+    "malformed": client.call_openai({**step, "id": "call_bad",
+                                     "function": {"name": "charge", "arguments": "{oops"}}),
+    "schema": client.call_anthropic(
+        {"type": "tool_use", "id": "toolu_02Y", "name": "charge", "input": {"cents": "lots"}}),
+    "status": client.status("call_Ab12")["effect"],
+    "tools": {flavor: [t.get("name") or t["function"]["name"] for t in client.tools_for(flavor)]
+              for flavor in ("openai", "openai-responses", "anthropic", "mcp")},
+}
+print(json.dumps(out), flush=True)
+"""
+
+
+async def test_model_tool_calls_run_once_under_the_models_own_ids_against_a_real_host(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    started = asyncio.get_running_loop().create_future()
+    run = asyncio.create_task(
+        sup.run(
+            billing_plan(ledger),
+            [sys.executable, "-c", ADAPTER_GUEST],
+            stdout=asyncio.subprocess.PIPE,
+            on_start=started.set_result,
+        )
+    )
+    async with asyncio.timeout(STEP_TIMEOUT_S * 2):
+        execution = await started
+        assert execution.process is not None and execution.process.stdout is not None
+        out = json.loads(await execution.process.stdout.readline())
+        outcome = await run
+        records = await sup.store.calls(execution.invocation_id)
+    assert outcome.exit_code == 0
+    assert out["first"] == out["retried_step"]
+    assert out["first"]["tool_call_id"] == "call_Ab12"
+    assert json.loads(out["first"]["content"])["charge_id"] == "ch_1"
+    assert out["anthropic"] == {
+        "type": "tool_result",
+        "tool_use_id": "toolu_01X",
+        "content": '{"account":"acct_9"}',
+    }
+    assert json.loads(out["malformed"]["content"])["error"]["code"] == "invalid_arguments"
+    assert out["schema"]["is_error"] is True
+    schema_error = json.loads(out["schema"]["content"])["error"]
+    assert {tuple(d["loc"]) for d in schema_error["details"]} == {("account",), ("cents",)}
+    assert out["status"] == "replayed"
+    for names in out["tools"].values():
+        assert "charge" in names and "lookup" in names
+    assert ledger.runs == {"charge": 1, "lookup": 1}
+    assert sorted(record.call_id for record in records) == ["call_Ab12", "toolu_01X"]

@@ -293,3 +293,18 @@ async def test_a_hundred_concurrent_guests_are_all_served_and_nothing_leaks(
         p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
     ]
     assert children == []
+
+
+async def test_an_orphan_the_sampler_never_saw_is_reaped_without_waiting_out_the_grace(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    # bash's process substitution leaves a short-lived orphan in the guest's group.
+    async with Supervisor(tmp_path / "s", stop_grace_s=30) as sup:
+        async with asyncio.timeout(10):  # far below the 30 s grace
+            outcome = await sup.run(
+                billing_plan(ledger),
+                ["bash", "-c", "cat <(echo hi) >/dev/null"],
+            )
+        zombies = [p for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
+    assert outcome.exit_status == 0
+    assert zombies == []
