@@ -19,7 +19,12 @@ from supervisor.errors import (
     StoreUnavailable,
 )
 from supervisor.plan import BudgetLimits, Plan
-from supervisor.stores import EffectStore, MemoryEffectStore, SQLiteEffectStore
+from supervisor.stores import (
+    EffectStore,
+    MemoryEffectStore,
+    PostgresEffectStore,
+    SQLiteEffectStore,
+)
 from supervisor.supervisor import ExecutionOutcome, RunOutcome, Supervisor
 from supervisor.tools import Tool, tool
 
@@ -35,6 +40,7 @@ __all__ = [
     "MemoryEffectStore",
     "Plan",
     "PlanError",
+    "PostgresEffectStore",
     "Proposal",
     "ProposalNotFound",
     "ProposalNotWaiting",

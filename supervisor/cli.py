@@ -77,14 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--cpu", type=_positive, metavar="S", help="CPU seconds of the guest tree")
     run.add_argument("--max-procs", type=int, metavar="N", help="processes in the guest tree")
     run.add_argument("--max-files", type=int, metavar="N", help="open files in the guest tree")
-    run.add_argument("--store", help="sqlite (default), sqlite:///PATH or memory")
+    run.add_argument("--store", help="sqlite (default), sqlite:///PATH, memory or postgresql://…")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD [ARG…]")
 
     serve = commands.add_parser("serve", help="a long-running supervisor: launch guests by API")
     state_dir_option(serve)
     serve.add_argument("--plan", required=True, help="plan file (TOML) guests run under")
-    serve.add_argument("--store", help="sqlite (default), sqlite:///PATH or memory")
+    serve.add_argument("--store", help="sqlite (default), sqlite:///PATH, memory or postgresql://…")
 
     demo = commands.add_parser("demo", help="run the bundled billing example end to end")
     state_dir_option(demo)

@@ -7,6 +7,7 @@ from pathlib import Path
 from supervisor.stores.base import (
     Begun,
     BudgetUse,
+    Charge,
     EffectRecord,
     EffectStatus,
     EffectStore,
@@ -14,16 +15,19 @@ from supervisor.stores.base import (
     StartCall,
 )
 from supervisor.stores.memory import MemoryEffectStore
+from supervisor.stores.postgres import PostgresEffectStore
 from supervisor.stores.sqlite import SQLiteEffectStore
 
 __all__ = [
     "Begun",
     "BudgetUse",
+    "Charge",
     "EffectRecord",
     "EffectStatus",
     "EffectStore",
     "InvocationRecord",
     "MemoryEffectStore",
+    "PostgresEffectStore",
     "SQLiteEffectStore",
     "StartCall",
     "store_from_spec",
@@ -35,7 +39,9 @@ def store_from_spec(spec: str | None, state_dir: Path) -> EffectStore:
 
     ``sqlite`` (default: ``<state_dir>/effects.db``), ``sqlite:///PATH`` (PATH as
     written: ``sqlite:////abs/x.db`` or ``sqlite:///rel/x.db``),
-    ``memory``.
+    ``memory``, ``postgresql://…`` / ``postgres://…`` (shared by replicas; the
+    replica's id is kept in ``<state_dir>/replica-id``, so a restart on the same
+    state dir recovers its own pending rows at once).
 
     Raises:
         ValueError: an unknown or unsupported store.
@@ -47,7 +53,7 @@ def store_from_spec(spec: str | None, state_dir: Path) -> EffectStore:
     if spec.startswith("sqlite:///"):
         return SQLiteEffectStore(Path(spec.removeprefix("sqlite:///")))
     if spec.startswith(("postgresql://", "postgres://")):
-        raise ValueError("the PostgreSQL store is not available in this version of hostcall")
+        return PostgresEffectStore(spec, identity_file=state_dir / "replica-id")
     raise ValueError(
         f"unknown store {spec!r}: use sqlite, sqlite:///PATH, memory or postgresql://…"
     )

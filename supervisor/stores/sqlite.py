@@ -14,6 +14,7 @@ import json
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -39,6 +40,9 @@ T = TypeVar("T")
 SCHEMA_VERSION: Final = 1
 #: Most operations one transaction takes; the rest wait for the next one.
 MAX_BATCH: Final = 256
+#: Tries to open a new store while another connection switches it to WAL.
+_OPEN_ATTEMPTS: Final = 20
+_OPEN_BACKOFF_S: Final = 0.01
 #: How long SQLite waits for a lock held by a reader (e.g. ``hostcall calls``).
 BUSY_TIMEOUT_MS: Final = 5000
 
@@ -146,16 +150,27 @@ class SQLiteEffectStore:
 
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        try:
-            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = FULL")
-            conn.executescript(_SCHEMA)
-        except BaseException:
-            conn.close()
-            raise
-        return conn
+        # Switching a new file to WAL takes an exclusive lock that SQLite does
+        # not wait for: two processes opening one new store at once can see
+        # "database is locked". Retry that, boundedly.
+        for attempt in range(_OPEN_ATTEMPTS):
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            try:
+                conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.execute("PRAGMA synchronous = FULL")
+                conn.executescript(_SCHEMA)
+            except sqlite3.OperationalError as exc:
+                conn.close()
+                if "locked" not in str(exc) or attempt == _OPEN_ATTEMPTS - 1:
+                    raise
+                time.sleep(_OPEN_BACKOFF_S * (attempt + 1))
+            except BaseException:
+                conn.close()
+                raise
+            else:
+                return conn
+        raise AssertionError("unreachable")
 
     def _serve(self, conn: sqlite3.Connection) -> None:
         try:

@@ -3,8 +3,10 @@
 One conformance suite, in the manner of Trio's ``check_two_way_stream``: each
 backend below is a small adapter that knows how to make a store, how to make
 a second instance on the same storage and how to "restart" it; every contract
-test runs once per backend through the parametrized ``backend`` fixture. A
-new implementation (PostgreSQL) joins by adding its adapter to ``BACKENDS``.
+test runs once per backend through the parametrized ``backend`` fixture. The
+PostgreSQL backend runs against a real server, in a schema of each test's own
+(tests/postgres_support.py says where the server comes from); what only it
+promises (leases, replicas, migrations) is in test_postgres_store.py.
 
 The tests after the contract section check what only the SQLite store
 promises: durability across a real reopen, one ``open()`` per instance,
@@ -26,13 +28,16 @@ import pytest
 from supervisor.errors import StoreUnavailable
 from supervisor.plan import BudgetLimits
 from supervisor.stores import (
+    Charge,
     EffectRecord,
     EffectStatus,
     EffectStore,
     MemoryEffectStore,
+    PostgresEffectStore,
     SQLiteEffectStore,
     StartCall,
 )
+from tests.postgres_support import with_options
 
 #: Upper bound for any one step of a test; every await runs under it.
 STEP_S = 10.0
@@ -53,6 +58,11 @@ class Backend:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self._opened: list[EffectStore] = []
+
+    @classmethod
+    def for_test(cls, request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+        """This backend for one test (fixtures it needs come from ``request``)."""
+        return cls(tmp_path)
 
     def make(self) -> EffectStore:
         """A new, unopened instance on this backend's storage."""
@@ -102,13 +112,33 @@ class SQLiteBackend(Backend):
         return SQLiteEffectStore(self.tmp_path / "effects.db")
 
 
-# A PostgreSQL adapter joins as pytest.param(PostgresBackend, marks=pytest.mark.postgres).
-BACKENDS: list[Any] = [MemoryBackend, SQLiteBackend]
+class PostgresBackend(Backend):
+    name = "postgres"
+    shared = True
+
+    def __init__(self, tmp_path: Path, dsn: str) -> None:
+        super().__init__(tmp_path)
+        self.dsn = dsn
+
+    @classmethod
+    def for_test(cls, request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+        dsn: str = request.getfixturevalue("postgres_dsn")
+        schema: str = request.getfixturevalue("postgres_schema")
+        return cls(tmp_path, with_options(dsn, schema=schema))
+
+    def make(self) -> EffectStore:
+        # Each instance is a replica of its own: a restart is a new replica,
+        # and close() hands back the lease, so open() recovers the old rows.
+        return PostgresEffectStore(self.dsn)
+
+
+_POSTGRES = pytest.param(PostgresBackend, marks=pytest.mark.postgres, id="postgres")
+BACKENDS: list[Any] = [MemoryBackend, SQLiteBackend, _POSTGRES]
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda kind: kind.name)
 async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    made: Backend = request.param(tmp_path)
+    made: Backend = request.param.for_test(request, tmp_path)
     try:
         yield made
     finally:
@@ -117,12 +147,12 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 
 
 # Backends whose instances share their records (several processes or hosts).
-SHARED_BACKENDS: list[Any] = [SQLiteBackend]
+SHARED_BACKENDS: list[Any] = [SQLiteBackend, _POSTGRES]
 
 
 @pytest.fixture(params=SHARED_BACKENDS, ids=lambda kind: kind.name)
 async def shared_backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    made: Backend = request.param(tmp_path)
+    made: Backend = request.param.for_test(request, tmp_path)
     assert made.shared
     try:
         yield made
@@ -330,6 +360,147 @@ async def test_exactly_one_begin_wins_across_two_instances_in_two_threads(
     for call_id, record in records.items():
         assert record is not None
         assert record.execution_id == ("exe_a" if call_id in won_a else "exe_b")
+
+
+# -- begin with a charge: the budget taken in the same atomic step ----------------------
+
+
+def charge(limits: BudgetLimits, cost: float = 2.0, deadline_at: float | None = None) -> Charge:
+    return Charge("charge", cost, limits, deadline_at)
+
+
+async def used(store: EffectStore) -> tuple[int, float, dict[str, int]]:
+    record = await store.get_invocation(INV)
+    assert record is not None
+    return record.used.calls, record.used.cost, dict(record.used.tool_calls or {})
+
+
+async def test_begin_with_a_charge_takes_it_in_the_same_step_as_the_insert(
+    store: EffectStore,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        begun = await store.begin(start(), 1.0, charge(BudgetLimits(max_calls=5)))
+        spent = await used(store)
+
+    assert (begun.won, begun.exhausted) == (True, None)
+    assert begun.record is not None and begun.record.status is EffectStatus.PENDING
+    assert spent == (1, 2.0, {"charge": 1})
+
+
+@pytest.mark.parametrize(
+    ("limits", "deadline_at", "why"),
+    [
+        pytest.param(BudgetLimits(max_calls=1), None, "limits", id="max_calls"),
+        pytest.param(BudgetLimits(max_cost=3), None, "limits", id="max_cost"),
+        pytest.param(BudgetLimits(tool_max_calls={"charge": 1}), None, "limits", id="tool"),
+        pytest.param(BudgetLimits(), 5.0, "deadline", id="deadline"),
+    ],
+)
+async def test_begin_with_a_charge_that_does_not_fit_inserts_nothing_and_says_why(
+    store: EffectStore, limits: BudgetLimits, deadline_at: float | None, why: str
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        first = await store.begin(start("c1"), 1.0, charge(limits, deadline_at=deadline_at))
+        before = await used(store)
+        refused = await store.begin(start("c2"), 5.0, charge(limits, deadline_at=deadline_at))
+        after = await used(store)
+        missing = await store.get(INV, "c2")
+
+    assert first.won
+    assert (refused.won, refused.record, refused.exhausted) == (False, None, why)
+    assert missing is None
+    assert after == before
+
+
+async def test_begin_with_a_charge_for_a_call_that_has_a_record_takes_nothing(
+    store: EffectStore,
+) -> None:
+    limits = BudgetLimits(max_calls=5)
+    async with asyncio.timeout(STEP_S):
+        first = await store.begin(start(), 1.0, charge(limits))
+        again = await store.begin(start(execution="exe_2"), 2.0, charge(limits))
+        spent = await used(store)
+
+    assert (again.won, again.record, again.exhausted) == (False, first.record, None)
+    assert spent == (1, 2.0, {"charge": 1})
+
+
+async def test_a_reversible_rerun_of_an_unknown_call_is_charged_again_or_left_unknown(
+    store: EffectStore,
+) -> None:
+    async with asyncio.timeout(STEP_S):
+        unknown = await unknown_record(store, reversible=True)  # begun without a charge
+        tight = await store.begin(
+            start(execution="exe_2", reversible=True), 3.0, charge(BudgetLimits(max_calls=0))
+        )
+        rerun = await store.begin(
+            start(execution="exe_3", reversible=True), 4.0, charge(BudgetLimits(max_calls=1))
+        )
+        spent = await used(store)
+
+    assert (tight.won, tight.record, tight.exhausted) == (False, unknown, "limits")
+    assert rerun.won
+    assert rerun.record is not None and rerun.record.execution_id == "exe_3"
+    assert spent == (1, 2.0, {"charge": 1})
+
+
+async def test_concurrent_begins_with_charges_cannot_overspend_and_losers_take_nothing(
+    store: EffectStore,
+) -> None:
+    limits = BudgetLimits(max_calls=10)
+    async with asyncio.timeout(STEP_S):
+        distinct = await asyncio.gather(
+            *(store.begin(start(f"c{i}"), 1.0, charge(limits, cost=0)) for i in range(30))
+        )
+        same = await asyncio.gather(
+            *(store.begin(start("same"), 1.0, charge(BudgetLimits(), cost=0)) for _ in range(30))
+        )
+        spent = await used(store)
+
+    assert sum(b.won for b in distinct) == 10
+    assert {b.exhausted for b in distinct if not b.won} == {"limits"}
+    assert sum(b.won for b in same) == 1
+    assert spent[0] == 11
+
+
+async def test_begins_with_charges_from_two_instances_in_two_threads_cannot_overspend(
+    shared_backend: Backend,
+) -> None:
+    backend = shared_backend
+    calls = [f"c{i}" for i in range(20)]
+    limits = BudgetLimits(max_calls=15)
+    both_open = threading.Barrier(2, timeout=STEP_S)
+
+    async def race(execution: str) -> list[str]:
+        instance = backend.make()
+        await instance.open()
+        try:
+            await asyncio.to_thread(both_open.wait)
+            results = await asyncio.gather(
+                *(instance.begin(start(c, execution=execution), 1.0, charge(limits)) for c in calls)
+            )
+            return [c for c, r in zip(calls, results, strict=True) if r.won]
+        finally:
+            await instance.close()
+
+    def in_own_loop(execution: str) -> list[str]:
+        async def bounded() -> list[str]:
+            async with asyncio.timeout(STEP_S):
+                return await race(execution)
+
+        return asyncio.run(bounded())
+
+    async with asyncio.timeout(STEP_S * 2):
+        check = await backend.open_new()  # storage exists before the two instances open
+        await check.open_invocation(INV, "sha256:" + "0" * 64, None, 0.0)
+        won_a, won_b = await asyncio.gather(
+            asyncio.to_thread(in_own_loop, "exe_a"), asyncio.to_thread(in_own_loop, "exe_b")
+        )
+        spent = await used(check)
+
+    assert len(won_a) + len(won_b) == 15
+    assert not set(won_a) & set(won_b)  # no call won twice
+    assert spent == (15, 30.0, {"charge": 15})
 
 
 # -- commit, mark_unknown, release -----------------------------------------------------
@@ -587,6 +758,52 @@ async def test_concurrent_reserves_cannot_overspend(
     assert record is not None
     assert record.used.calls == 10
     assert record.used.cost == pytest.approx(10 * cost)
+
+
+async def test_concurrent_reserves_from_two_instances_in_two_threads_cannot_overspend(
+    shared_backend: Backend,
+) -> None:
+    backend = shared_backend
+    limits = BudgetLimits(max_calls=15, max_cost=40, tool_max_calls={"charge": 12})
+    both_open = threading.Barrier(2, timeout=STEP_S)
+
+    async def spend() -> list[tuple[str, bool]]:
+        instance = backend.make()
+        await instance.open()
+        try:
+            await instance.open_invocation(INV, "sha256:" + "0" * 64, None, 0.0)
+            await asyncio.to_thread(both_open.wait)
+            tools = ["charge", "lookup"] * 15
+            taken = await asyncio.gather(
+                *(instance.reserve(INV, tool, 2.0, limits) for tool in tools)
+            )
+            return list(zip(tools, taken, strict=True))
+        finally:
+            await instance.close()
+
+    def in_own_loop() -> list[tuple[str, bool]]:
+        async def bounded() -> list[tuple[str, bool]]:
+            async with asyncio.timeout(STEP_S):
+                return await spend()
+
+        return asyncio.run(bounded())
+
+    async with asyncio.timeout(STEP_S * 2):
+        # Made first, so the two instances open storage that exists already.
+        check = await backend.open_new()
+        a, b = await asyncio.gather(asyncio.to_thread(in_own_loop), asyncio.to_thread(in_own_loop))
+        record = await check.get_invocation(INV)
+
+    taken = [tool for tool, ok in a + b if ok]
+    assert len(taken) == 15  # max_calls binds first: 15 calls of cost 2 fit max_cost 40
+    assert taken.count("charge") <= 12
+    assert record is not None
+    assert record.used.calls == 15
+    assert record.used.cost == pytest.approx(30.0)
+    assert dict(record.used.tool_calls or {}) == {
+        "charge": taken.count("charge"),
+        "lookup": taken.count("lookup"),
+    }
 
 
 # -- open(): recovery after a crash ---------------------------------------------------------
