@@ -11,11 +11,13 @@ import asyncio
 import json
 import logging
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any, Final
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from channel.errors import Refusal
 from channel.identity import authenticate, check_origin
@@ -75,10 +77,13 @@ class ChannelServer:
 
     def _app(self) -> web.Application:
         app = web.Application(middlewares=[self._boundary], client_max_size=self._max_body)
-        app.router.add_post("/v1/calls", self._post_call)
-        app.router.add_get("/v1/calls/{call_id}", self._get_call)
-        app.router.add_get("/v1/plan", self._get_plan)
-        app.router.add_get(OPENAPI_PATH, self._get_openapi)
+        app.router.add_post("/v1/calls", self._post_call, expect_handler=_expect)
+        app.router.add_get("/v1/calls/{call_id}", self._get_call, expect_handler=_expect)
+        app.router.add_get("/v1/plan", self._get_plan, expect_handler=_expect)
+        app.router.add_get(OPENAPI_PATH, self._get_openapi, expect_handler=_expect)
+        # Everything else, so that unknown paths and wrong methods get the
+        # protocol's JSON answer (and our Expect handling) too.
+        app.router.add_route("*", "/{tail:.*}", _no_such_route, expect_handler=_expect)
         return app
 
     async def start(self) -> None:
@@ -149,10 +154,14 @@ class ChannelServer:
         if length is not None and length > self._max_body:
             raise Refusal("payload_too_large", f"body is over {self._max_body} bytes")
         body = bytearray()
-        async for chunk in request.content.iter_any():
-            body += chunk
-            if len(body) > self._max_body:
-                raise Refusal("payload_too_large", f"body is over {self._max_body} bytes")
+        try:
+            async for chunk in request.content.iter_any():
+                body += chunk
+                if len(body) > self._max_body:
+                    raise Refusal("payload_too_large", f"body is over {self._max_body} bytes")
+        except (ConnectionResetError, HttpProcessingError) as exc:
+            # The guest hung up (or broke the framing) mid-body: its fault, not ours.
+            raise Refusal("bad_request", f"the request body did not arrive whole: {exc}") from None
         return bytes(body)
 
     async def _post_call(self, request: web.Request) -> web.StreamResponse:
@@ -182,6 +191,27 @@ class ChannelServer:
         # guests, and the document is in the repository for everyone else.
         self._identify(request)
         return web.Response(body=document_bytes(), content_type="application/json")
+
+
+_KNOWN_PATHS: Final = re.compile(r"/v1/calls(/[^/]+)?|/v1/plan|" + re.escape(OPENAPI_PATH))
+
+
+async def _no_such_route(request: web.Request) -> web.StreamResponse:
+    if _KNOWN_PATHS.fullmatch(request.path):
+        raise Refusal("method_not_allowed", f"{request.method} is not allowed on {request.path}")
+    raise Refusal("not_found", f"no endpoint {request.path}")
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue`` as HTTP/1.1 asks; any other expectation is refused
+    as a bad request (aiohttp's own answer to those is a plain-text 417, or a
+    500 when the value is not ASCII)."""
+    if request.headers.get("Expect", "").lower() == "100-continue":
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the real response is still to come
+        return None
+    return _refusal_response(Refusal("bad_request", "unsupported Expect header"))
 
 
 def _parse_wait(raw: str | None) -> float:

@@ -12,6 +12,7 @@ __all__ = [
     "Refusal",
     "StateDirBusy",
     "StoreUnavailable",
+    "UnsafeStateDir",
 ]
 
 
@@ -39,6 +40,13 @@ class StateDirBusy(HostcallError):
     """Another running supervisor holds the state dir's lock."""
 
     code = "state_dir_busy"
+
+
+class UnsafeStateDir(HostcallError):
+    """The state dir holds something hostcall will not follow (a symlink, another
+    user's directory)."""
+
+    code = "unsafe_state_dir"
 
 
 class InvocationMismatch(HostcallError):

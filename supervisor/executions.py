@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Final
 
+from channel.wire import CallReply
 from supervisor.broker import Broker
 from supervisor.errors import Refusal
 from supervisor.limits import EndReason
@@ -78,15 +81,55 @@ class Execution:
         }
 
 
+class _EndedBroker:
+    """Stands in for the broker of an ended execution, so its memory is freed.
+
+    The channel never reaches it (an ended execution is refused
+    ``execution_fenced`` first); should anything else, it refuses too.
+    """
+
+    def _refusal(self, call_id: str | None) -> CallReply:
+        return CallReply.refused(call_id, Refusal("execution_fenced", "this execution has ended"))
+
+    async def call(self, call_id: str, tool: str, args: dict[str, Any]) -> CallReply:
+        return self._refusal(call_id)
+
+    async def status(self, call_id: str, wait_s: float) -> CallReply:
+        return self._refusal(call_id)
+
+    async def plan_view(self) -> dict[str, Any]:
+        return {}
+
+
+ENDED_BROKER: Final = _EndedBroker()
+_ENDED: Final = asyncio.Event()
+_ENDED.set()
+#: Ended executions remembered (so their credentials get ``execution_fenced``,
+#: not ``unauthenticated``); older ones are forgotten first.
+MAX_ENDED_EXECUTIONS: Final = 10_000
+
+
 class ExecutionTable:
     """Every execution of one supervisor, by id (ended ones stay, fenced)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_ended: int = MAX_ENDED_EXECUTIONS) -> None:
         self._by_id: dict[str, Execution] = {}
+        self._ended: collections.deque[str] = collections.deque()
+        self._max_ended = max_ended
 
     def add(self, execution: Execution) -> None:
         """Register a new execution."""
         self._by_id[execution.execution_id] = execution
+
+    def retire(self, execution: Execution) -> None:
+        """Keep only what an ended execution needs: its identity facts and outcome."""
+        execution.process = None
+        execution.broker = ENDED_BROKER  # type: ignore[assignment]
+        execution.on_end = None
+        execution.ended = _ENDED  # one shared, already-set event for all retired ones
+        self._ended.append(execution.execution_id)
+        while len(self._ended) > self._max_ended:
+            self._by_id.pop(self._ended.popleft(), None)
 
     def lookup(self, execution_id: str) -> Execution | None:
         """The execution with this id, live or not."""

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, Final, Literal
 
@@ -189,6 +189,7 @@ async def stop_tree(
     tree: GuestTree,
     *,
     grace_s: float = STOP_GRACE_S,
+    orphans: Callable[[], list[psutil.Process]] = list,
 ) -> list[int]:
     """End the guest and everything it started: TERM, ``grace_s``, then KILL.
 
@@ -206,7 +207,7 @@ async def stop_tree(
                 tree.seen.setdefault((member.pid, member.create_time()), member)
         found = {p.pid: p for p in tree.members()}
         if scan_environments:  # a full scan of /proc: at the start and before KILL only
-            for marked in tree.marked_processes(adopted_only=is_subreaper()):
+            for marked in [*tree.marked_processes(adopted_only=is_subreaper()), *orphans()]:
                 found.setdefault(marked.pid, marked)
         for member in found.values():
             with contextlib.suppress(psutil.Error):

@@ -103,8 +103,10 @@ class ReceiptLog:
     ) -> str:
         """Chain and durably write one receipt; returns its ``receipt_id``."""
         if self._prev_hash is None:
+            # Read synchronously: an await here would let a second append read
+            # the same tail and fork the chain. It reads one small tail, once.
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._prev_hash = await asyncio.to_thread(_last_hash, self.path)
+            self._prev_hash = _last_hash(self.path)
         receipt: dict[str, Any] = {
             "receipt_id": new_id("rcpt"),
             "invocation_id": invocation_id,

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from supervisor.errors import StateDirBusy
+from supervisor.errors import StateDirBusy, UnsafeStateDir
 from supervisor.sockets import MAX_SOCKET_PATH
 
 __all__ = ["StateDir"]
@@ -41,7 +41,11 @@ class StateDir:
             StateDirBusy: another running supervisor holds it.
         """
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            # O_NOFOLLOW: a symlink planted at the lock must not get its target emptied.
+            fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise UnsafeStateDir(f"cannot open {self.path / 'lock'}: {exc.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -60,8 +64,17 @@ class StateDir:
     def _socket_dir(self) -> Path:
         preferred = self.path / "run"
         if len(os.fsencode(preferred / "channel.sock")) <= MAX_SOCKET_PATH:
+            if preferred.is_symlink():
+                # Never follow it: that would chmod, and bind in, someone else's directory.
+                raise UnsafeStateDir(f"{preferred} is a symlink; remove it")
             preferred.mkdir(mode=0o700, exist_ok=True)
-            os.chmod(preferred, 0o700)
+            fd = os.open(preferred, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                if os.fstat(fd).st_uid != os.getuid():
+                    raise UnsafeStateDir(f"{preferred} belongs to another user")
+                os.fchmod(fd, 0o700)
+            finally:
+                os.close(fd)
             return preferred
         # Too long for sun_path: a private short directory instead (SPEC §3).
         base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()

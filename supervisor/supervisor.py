@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -97,6 +98,9 @@ class Supervisor:
         self._tracker = TreeTracker()
         self._executions = ExecutionTable()
         self._invocations: dict[str, _Invocation] = {}
+        self._receipt_logs: weakref.WeakValueDictionary[str, ReceiptLog] = (
+            weakref.WeakValueDictionary()
+        )
         self._channel: ChannelServer | None = None
         self._admin: AdminServer | None = None
         self._launched: set[asyncio.Task[RunOutcome]] = set()
@@ -235,13 +239,14 @@ class Supervisor:
         invocation_id = invocation_id or new_id("inv")
         if not is_valid_id(invocation_id):
             raise ValueError("invocation ids are 1-128 characters of [A-Za-z0-9._:-]")
-        invocation = await self._open_invocation(plan, invocation_id)
+        await self._open_invocation(plan, invocation_id)  # refuses a mismatched plan first
         launch = _Launch(argv, limits or Limits(), env, cwd, stdin, stdout, stderr, on_start)
         outcomes: list[ExecutionOutcome] = []
         for attempt in range(attempts):
             if attempt:
                 delay = min(ATTEMPT_BACKOFF_S * 2 ** (attempt - 1), ATTEMPT_BACKOFF_MAX_S)
                 await asyncio.sleep(delay)
+            invocation = await self._open_invocation(plan, invocation_id)
             outcome = await self._run_once(plan, invocation_id, invocation, launch)
             outcomes.append(outcome)
             if outcome.exit_status == 0 or outcome.reason == "cancelled":
@@ -259,9 +264,15 @@ class Supervisor:
             )
         invocation = self._invocations.get(invocation_id)
         if invocation is None:
+            path = self.state.receipts_dir / f"{invocation_id}.jsonl"
+            receipts = self._receipt_logs.get(str(path))
+            if receipts is None:
+                # One writer per file, even while an ended execution's handler
+                # still finishes: the chain must never fork.
+                receipts = self._receipt_logs[str(path)] = ReceiptLog(path)
             invocation = _Invocation(
                 plan,
-                ReceiptLog(self.state.receipts_dir / f"{invocation_id}.jsonl"),
+                receipts,
                 record.deadline_at,
                 set(await self.store.revoked(invocation_id)),
             )
@@ -347,7 +358,14 @@ class Supervisor:
         finally:
             # The credential stops working the moment the execution ends.
             execution.end()
-            await asyncio.shield(stop_tree(process, tree, grace_s=self._stop_grace_s))
+            await asyncio.shield(
+                stop_tree(
+                    process,
+                    tree,
+                    grace_s=self._stop_grace_s,
+                    orphans=lambda: self._tracker.orphans_of(tree),
+                )
+            )
             self._tracker.untrack(execution.execution_id)
             if pumps:
                 with contextlib.suppress(TimeoutError):
@@ -369,6 +387,10 @@ class Supervisor:
             calls=dict(execution.broker.outcomes),
         )
         execution.outcome = outcome
+        self._executions.retire(execution)
+        if not any(e.live for e in self._executions.of_invocation(invocation_id)):
+            # Nothing of it runs here now; a resume rebuilds it from the store.
+            self._invocations.pop(invocation_id, None)
         return outcome
 
     def _start_pumps(

@@ -274,7 +274,15 @@ class Tool:
             raise Refusal(
                 "invalid_arguments", f"arguments do not match {self.name}'s input", details=details
             ) from None
-        return model, model.model_dump(mode="json")
+        try:
+            canonical = model.model_dump(mode="json")
+        except (ValueError, RecursionError) as exc:  # e.g. nested past the serializer's depth
+            raise Refusal(
+                "invalid_arguments",
+                f"arguments of {self.name} cannot be serialized",
+                details=[{"loc": [], "msg": str(exc)}],
+            ) from None
+        return model, canonical
 
     def bind(self, model: BaseModel) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The positional and keyword arguments to call the handler with."""

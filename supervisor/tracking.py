@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -85,6 +86,8 @@ class GuestTree:
     peak_processes: int = 0
     peak_open_files: int = 0
     violation: EndReason | None = None
+    #: When the guest started (psutil's clock): orphans born earlier are not its.
+    started_at: float = 0.0
 
     @property
     def cpu_s(self) -> float:
@@ -187,6 +190,33 @@ class GuestTree:
         return found
 
 
+def _is_adopted(process: psutil.Process) -> bool:
+    """A child of ours in another session that we did not launch as a guest.
+
+    Guests are launched in sessions of their own and are never "adopted";
+    every other child of ours outside our session came to us as an orphan.
+    """
+    try:
+        return (
+            process.ppid() == os.getpid()
+            and os.getsid(process.pid) != os.getsid(0)
+            and process.pid not in _guest_roots
+        )
+    except (psutil.Error, OSError):
+        return False
+
+
+def _adopted_children() -> list[psutil.Process]:
+    try:
+        return [c for c in psutil.Process().children() if _is_adopted(c)]
+    except psutil.Error:
+        return []
+
+
+#: Pids of live guest roots of every tracker in this process.
+_guest_roots: set[int] = set()
+
+
 def process_map() -> dict[int, list[int]]:
     """Every process's children, from one pass over ``/proc``."""
     children_of: dict[int, list[int]] = {}
@@ -229,6 +259,9 @@ class TreeTracker:
         """Start sampling a guest's tree."""
         tree = GuestTree(execution_id, root_pid, limits, on_violation)
         with contextlib.suppress(psutil.Error):
+            tree.started_at = psutil.Process(root_pid).create_time()
+        _guest_roots.add(root_pid)
+        with contextlib.suppress(psutil.Error):
             tree.sample()
         self._trees[execution_id] = tree
         if self._task is None or self._task.done():
@@ -254,21 +287,53 @@ class TreeTracker:
         for tree in self._trees.values():
             if tree.root_pid in {m.pid for m in lineage} or keys & tree.seen.keys():
                 return tree.execution_id
+        if self.adopted(pid):
+            return "(an orphan adopted from a guest)"
         with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
             for entry in f.read().split(b"\0"):
                 if entry.startswith(b"HOSTCALL_EXECUTION="):
                     return entry.split(b"=", 1)[1].decode(errors="replace")
         return None
 
+    def orphans_of(self, tree: GuestTree) -> list[psutil.Process]:
+        """Processes adopted by this supervisor (as subreaper) that belong to
+        ``tree``: they stayed in its guest's session, or they left every
+        session and ``tree`` is the only guest running (a double-forked daemon
+        that scrubbed its environment can be traced no other way)."""
+        found = []
+        for child in _adopted_children():
+            with contextlib.suppress(psutil.Error, OSError):
+                sid = os.getsid(child.pid)
+                if sid == tree.root_pid or (
+                    list(self._trees.values()) == [tree] and child.create_time() >= tree.started_at
+                ):
+                    found.append(child)
+        return found
+
+    def adopted(self, pid: int) -> bool:
+        """Whether ``pid`` descends from a process this supervisor adopted."""
+        with contextlib.suppress(psutil.Error):
+            lineage = [psutil.Process(pid), *psutil.Process(pid).parents()]
+            me = os.getpid()
+            for below, above in itertools.pairwise(lineage):
+                if above.pid == me:
+                    return _is_adopted(below)
+        return False
+
     def untrack(self, execution_id: str) -> None:
         """Stop sampling (the tree has been stopped)."""
-        self._trees.pop(execution_id, None)
+        tree = self._trees.pop(execution_id, None)
+        if tree is not None:
+            _guest_roots.discard(tree.root_pid)
 
     async def _run(self) -> None:
         while self._trees:
             await asyncio.sleep(self.interval_s)
             children_of = process_map()  # one pass over /proc for every tree
             for tree in list(self._trees.values()):
+                for orphan in self.orphans_of(tree):
+                    with contextlib.suppress(psutil.Error):
+                        tree.seen.setdefault(_key(orphan), orphan)
                 try:
                     tree.sample(children_of)
                 except Exception:  # boundary: one odd process must not stop the sampler
