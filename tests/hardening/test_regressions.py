@@ -17,8 +17,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from supervisor import Plan, tool
 from supervisor.approvals import ApprovalController
 from supervisor.broker import Broker
