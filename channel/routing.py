@@ -56,6 +56,11 @@ class ExecutionPort(Protocol):
         """Pid of the guest's root process, once launched."""
         ...
 
+    async def wait_launched(self, timeout_s: float) -> None:
+        """Wait (bounded) until ``guest_pid`` is known: a fast guest may call
+        before the supervisor has finished recording its launch."""
+        ...
+
     @property
     def broker(self) -> BrokerPort: ...
 

@@ -34,6 +34,8 @@ DEFAULT_MAX_BODY: Final = 1024 * 1024
 MAX_WAIT_S: Final = 60.0
 #: How long ``close()`` lets in-flight requests finish before dropping them.
 SHUTDOWN_GRACE_S: Final = 5.0
+#: How long a request may wait for its guest's launch to be recorded.
+LAUNCH_WAIT_S: Final = 5.0
 #: Many guests connect at once (hundreds per supervisor): a deep accept queue.
 LISTEN_BACKLOG: Final = 1024
 
@@ -140,9 +142,11 @@ class ChannelServer:
             )
         return response
 
-    def _identify(self, request: web.Request) -> ExecutionPort:
+    async def _identify(self, request: web.Request) -> ExecutionPort:
         execution = authenticate(request.headers, self._directory)
         if self._origin_check:
+            if execution.guest_pid is None:
+                await execution.wait_launched(LAUNCH_WAIT_S)
             assert request.transport is not None
             check_origin(request.transport.get_extra_info("socket"), execution)
         return execution
@@ -165,13 +169,13 @@ class ChannelServer:
         return bytes(body)
 
     async def _post_call(self, request: web.Request) -> web.StreamResponse:
-        execution = self._identify(request)
+        execution = await self._identify(request)
         call = parse_call_request(await self._read_body(request))
         reply = await execution.broker.call(call.call_id, call.tool, call.args)
         return _json_response(reply)
 
     async def _get_call(self, request: web.Request) -> web.StreamResponse:
-        execution = self._identify(request)
+        execution = await self._identify(request)
         call_id = request.match_info["call_id"]
         if not is_valid_id(call_id):
             raise Refusal("bad_request", "call_id must be 1-128 characters of [A-Za-z0-9._:-]")
@@ -179,7 +183,7 @@ class ChannelServer:
         return _json_response(await execution.broker.status(call_id, wait_s))
 
     async def _get_plan(self, request: web.Request) -> web.StreamResponse:
-        execution = self._identify(request)
+        execution = await self._identify(request)
         body = await execution.broker.plan_view()
         return web.Response(
             body=json.dumps(body, separators=(",", ":")).encode(),
@@ -189,7 +193,7 @@ class ChannelServer:
     async def _get_openapi(self, request: web.Request) -> web.StreamResponse:
         # Identity first, as on every request (SPEC §4.1): the socket serves
         # guests, and the document is in the repository for everyone else.
-        self._identify(request)
+        await self._identify(request)
         return web.Response(body=document_bytes(), content_type="application/json")
 
 

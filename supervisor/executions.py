@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,6 +48,14 @@ class Execution:
     stop_reason: EndReason | None = None
     #: How it ended, once it has.
     outcome: ExecutionOutcome | None = None
+
+    launched: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait_launched(self, timeout_s: float) -> None:
+        """Wait (bounded) until the guest's pid is recorded."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self.launched.wait()
 
     @property
     def live(self) -> bool:
@@ -127,6 +136,7 @@ class ExecutionTable:
         execution.broker = ENDED_BROKER  # type: ignore[assignment]
         execution.on_end = None
         execution.ended = _ENDED  # one shared, already-set event for all retired ones
+        execution.launched = _ENDED
         self._ended.append(execution.execution_id)
         while len(self._ended) > self._max_ended:
             self._by_id.pop(self._ended.popleft(), None)

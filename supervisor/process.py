@@ -214,6 +214,13 @@ async def stop_tree(
                 tree.seen.setdefault((member.pid, member.create_time()), member)
         return list(found.values())
 
+    if (
+        process.returncode is not None
+        and not _group_alive(pgid)
+        and not any(_alive(p) for p in tree.seen.values())
+        and not orphans()
+    ):
+        return []  # the common case: the guest exited and left nothing behind
     members = everyone(scan_environments=True)
     _signal_all(pgid, members, signal.SIGTERM)
     loop = asyncio.get_running_loop()

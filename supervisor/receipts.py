@@ -14,6 +14,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -78,8 +79,9 @@ def _last_hash(path: Path) -> str:
 class ReceiptLog:
     """The receipt file of one invocation, shared by all its executions."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, executor: Executor | None = None) -> None:
         self.path = path
+        self._executor = executor  # None: the loop's default pool
         self._prev_hash: str | None = None
         self._queue: list[tuple[bytes, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -138,7 +140,9 @@ class ReceiptLog:
             while self._queue:
                 batch, self._queue = self._queue, []
                 try:
-                    await asyncio.to_thread(self._write, b"".join(line for line, _ in batch))
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._executor, self._write, b"".join(line for line, _ in batch)
+                    )
                 except OSError as exc:
                     # The calls themselves are recorded in the effect store; an
                     # audit line we could not write must at least be loud.

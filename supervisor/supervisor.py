@@ -269,7 +269,7 @@ class Supervisor:
             if receipts is None:
                 # One writer per file, even while an ended execution's handler
                 # still finishes: the chain must never fork.
-                receipts = self._receipt_logs[str(path)] = ReceiptLog(path)
+                receipts = self._receipt_logs[str(path)] = ReceiptLog(path, self._executor)
             invocation = _Invocation(
                 plan,
                 receipts,
@@ -336,6 +336,7 @@ class Supervisor:
             execution.end()
             raise
         execution.guest_pid = process.pid
+        execution.launched.set()
         execution.process = process
         execution.state = ExecutionState.RUNNING
         pumps = self._start_pumps(process, execution, credential, capture_out, capture_err)

@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 #: How often each live guest's tree is measured.
 SAMPLE_INTERVAL_S: Final = 0.1
+#: With many guests at once, sample less often: one /proc pass costs ~5-10 ms.
+BUSY_SAMPLE_INTERVAL_S: Final = 0.5
+BUSY_TREES: Final = 20
 _PR_SET_CHILD_SUBREAPER: Final = 36
 
 _subreaper = False
@@ -206,11 +209,27 @@ def _is_adopted(process: psutil.Process) -> bool:
         return False
 
 
-def _adopted_children() -> list[psutil.Process]:
+def _child_pids() -> list[int]:
+    """This process's children, from ``/proc/self/task/*/children`` (no full scan)."""
+    pids: list[int] = []
     try:
-        return [c for c in psutil.Process().children() if _is_adopted(c)]
-    except psutil.Error:
-        return []
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids.extend(int(p) for p in f.read().split())
+    except OSError:  # no CONFIG_PROC_CHILDREN: the slow way
+        with contextlib.suppress(psutil.Error):
+            return [c.pid for c in psutil.Process().children()]
+    return pids
+
+
+def _adopted_children() -> list[psutil.Process]:
+    found = []
+    for pid in _child_pids():
+        with contextlib.suppress(psutil.Error):
+            child = psutil.Process(pid)
+            if _is_adopted(child):
+                found.append(child)
+    return found
 
 
 #: Pids of live guest roots of every tracker in this process.
@@ -261,9 +280,7 @@ class TreeTracker:
         with contextlib.suppress(psutil.Error):
             tree.started_at = psutil.Process(root_pid).create_time()
         _guest_roots.add(root_pid)
-        with contextlib.suppress(psutil.Error):
-            tree.sample()
-        self._trees[execution_id] = tree
+        self._trees[execution_id] = tree  # first sampled on the next tick, not here
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="hostcall-tree-sampler")
         return tree
@@ -295,13 +312,15 @@ class TreeTracker:
                     return entry.split(b"=", 1)[1].decode(errors="replace")
         return None
 
-    def orphans_of(self, tree: GuestTree) -> list[psutil.Process]:
+    def orphans_of(
+        self, tree: GuestTree, adopted: list[psutil.Process] | None = None
+    ) -> list[psutil.Process]:
         """Processes adopted by this supervisor (as subreaper) that belong to
         ``tree``: they stayed in its guest's session, or they left every
         session and ``tree`` is the only guest running (a double-forked daemon
         that scrubbed its environment can be traced no other way)."""
         found = []
-        for child in _adopted_children():
+        for child in _adopted_children() if adopted is None else adopted:
             with contextlib.suppress(psutil.Error, OSError):
                 sid = os.getsid(child.pid)
                 if sid == tree.root_pid or (
@@ -328,10 +347,18 @@ class TreeTracker:
 
     async def _run(self) -> None:
         while self._trees:
-            await asyncio.sleep(self.interval_s)
+            busy = len(self._trees) > BUSY_TREES
+            await asyncio.sleep(max(self.interval_s, BUSY_SAMPLE_INTERVAL_S if busy else 0.0))
             children_of = process_map()  # one pass over /proc for every tree
+            me = os.getpid()
+            adopted = []
+            for pid in children_of.get(me, ()):
+                with contextlib.suppress(psutil.Error):
+                    child = psutil.Process(pid)
+                    if _is_adopted(child):
+                        adopted.append(child)
             for tree in list(self._trees.values()):
-                for orphan in self.orphans_of(tree):
+                for orphan in self.orphans_of(tree, adopted):
                     with contextlib.suppress(psutil.Error):
                         tree.seen.setdefault(_key(orphan), orphan)
                 try:
