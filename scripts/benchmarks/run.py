@@ -1,0 +1,532 @@
+"""hostcall side by side with the bare stack and MCP, measured in one run.
+
+    scripts/bench                 # the full run (about four minutes)
+    scripts/bench --quick         # seconds: a smoke run, numbers meaningless
+    scripts/bench --plot          # also draw docs/bench-throughput.png
+    scripts/bench --json out.json --skip mcp,many
+
+Targets, each its own server process, all driven by one load generator
+(loadgen.py: aiohttp client, Unix socket, uvloop):
+
+1. ``echo``: a bare aiohttp echo server on a Unix socket (the ceiling);
+2. ``hostcall-memory``: ``hostcall run --store memory`` with the load
+   generator as its guest (credential from the fd, origin check on);
+3. ``hostcall-sqlite``: the same on the durable SQLite store;
+   both with an async no-op tool, and again with a sync one (``-sync``);
+4. ``mcp-stdio``: the MCP python SDK over stdio, same tools (its own client;
+   skipped when ``mcp`` is not installed).
+
+The targets are measured in two alternating rounds; each point keeps its
+better round, so a burst of other load on the machine costs one round, not
+the comparison. Plus: many guests on one supervisor, guest launch overhead,
+fsync cost, ``guest_client`` import time. Prints the tables and the checks of
+issue 8, writes JSON to ``bench-results/bench-<time>.json`` (and ``--json``).
+``hotspots.py`` beside this file profiles the supervisor at one point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import report
+import system
+
+HERE: Final = Path(__file__).resolve().parent
+ROOT: Final = HERE.parents[1]
+PLAN: Final = HERE / "plan.toml"
+LOADGEN: Final = HERE / "loadgen.py"
+RESULTS_DIR: Final = ROOT / "bench-results"
+DEFAULT_PLOT: Final = ROOT / "docs" / "bench-throughput.png"
+#: Added to every child's own expected run time before it is killed.
+CHILD_SLACK_S: Final = 120.0
+#: Bound on a server process getting ready or going away.
+SERVER_START_S: Final = 30.0
+SERVER_STOP_S: Final = 10.0
+PARTS: Final = ("echo", "hostcall", "mcp", "launch", "many", "import")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """How long and how much to measure."""
+
+    inflight: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    warmup_s: float = 0.5
+    duration_s: float = 2.0
+    guests: int = 200
+    single_inflight: int = 32
+    many_warmup_s: float = 1.0
+    many_duration_s: float = 3.0
+    launch_runs: int = 40
+    import_samples: int = 20
+    fsync_samples: int = 200
+    hop_samples: int = 2000
+    rounds: int = 2
+
+    @classmethod
+    def quick(cls) -> Settings:
+        return cls(
+            inflight=(1, 32),
+            warmup_s=0.05,
+            duration_s=0.25,
+            guests=3,
+            single_inflight=3,
+            many_warmup_s=0.1,
+            many_duration_s=0.3,
+            launch_runs=2,
+            import_samples=2,
+            fsync_samples=20,
+            hop_samples=64,
+            rounds=1,
+        )
+
+    def point_budget(self, points: int) -> float:
+        return points * (self.warmup_s + self.duration_s) + CHILD_SLACK_S
+
+
+def _say(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+class ChildFailed(RuntimeError):
+    """A benchmark process exited non-zero or timed out."""
+
+
+def _run(argv: list[str], timeout_s: float, *, env: dict[str, str] | None = None) -> None:
+    try:
+        done = subprocess.run(
+            argv,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise ChildFailed(f"{Path(argv[1]).name} ran over {timeout_s:.0f} s") from exc
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-12:]
+        raise ChildFailed(f"exit {done.returncode}: " + " / ".join(tail))
+
+
+def _loadgen_args(settings: Settings, out: Path, tools: str) -> list[str]:
+    return [
+        "--tools",
+        tools,
+        "--inflight",
+        ",".join(map(str, settings.inflight)),
+        "--warmup",
+        str(settings.warmup_s),
+        "--duration",
+        str(settings.duration_s),
+        "--out",
+        str(out),
+    ]
+
+
+def _points(out: Path, tool: str) -> list[dict[str, Any]]:
+    points = json.loads(out.read_text())["points"]
+    return [p for p in points if p["tool"] == tool]
+
+
+def bench_echo(work: Path, settings: Settings) -> dict[str, Any]:
+    """The bare aiohttp echo server in its own process, the load generator in another."""
+    socket_path = work / "echo.sock"
+    ready_read, ready_write = os.pipe()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE / "echo_server.py"),
+            "--socket",
+            str(socket_path),
+            "--ready-fd",
+            str(ready_write),
+        ],
+        pass_fds=(ready_write,),
+        cwd=ROOT,
+    )
+    os.close(ready_write)
+    try:
+        readable, _, _ = select.select([ready_read], [], [], SERVER_START_S)
+        if not readable or not os.read(ready_read, 1):
+            raise ChildFailed("the echo server did not start")
+        out = work / "echo.json"
+        _run(
+            [
+                sys.executable,
+                str(LOADGEN),
+                "--target",
+                "echo",
+                "--socket",
+                str(socket_path),
+                "--server-pid",
+                str(server.pid),
+                *_loadgen_args(settings, out, "noop"),
+            ],
+            settings.point_budget(len(settings.inflight)),
+        )
+        return {"status": "ok", "points": _points(out, "noop")}
+    finally:
+        os.close(ready_read)
+        server.terminate()
+        try:
+            server.wait(SERVER_STOP_S)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(SERVER_STOP_S)
+
+
+def bench_hostcall(work: Path, settings: Settings, store: str) -> dict[str, dict[str, Any]]:
+    """``hostcall run --store STORE`` with the load generator as its guest."""
+    out = work / f"hostcall-{store}.json"
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "run",
+            "--state-dir",
+            str(work / f"state-{store}"),
+            "--store",
+            store,
+            "--plan",
+            str(PLAN),
+            "--",
+            sys.executable,
+            str(LOADGEN),
+            "--server-pid",
+            "parent",
+            *_loadgen_args(settings, out, "noop,noop_sync"),
+        ],
+        settings.point_budget(2 * len(settings.inflight)),
+    )
+    return {
+        f"hostcall-{store}": {"status": "ok", "points": _points(out, "noop")},
+        f"hostcall-{store}-sync": {"status": "ok", "points": _points(out, "noop_sync")},
+    }
+
+
+def bench_mcp(work: Path, settings: Settings) -> dict[str, Any]:
+    """The MCP SDK's stdio client against its stdio server (skipped if not installed)."""
+    if importlib.util.find_spec("mcp") is None:
+        return {
+            "status": "skipped",
+            "reason": "the mcp package is not installed (pip install -e '.[bench]')",
+        }
+    out = work / "mcp.json"
+    _run(
+        [sys.executable, str(HERE / "mcp_client.py"), *_loadgen_args(settings, out, "noop")],
+        settings.point_budget(len(settings.inflight)),
+    )
+    return {"status": "ok", "points": _points(out, "noop")}
+
+
+def bench_launch(work: Path, settings: Settings) -> dict[str, Any]:
+    """Guest launch overhead on the default (SQLite) store."""
+    out = work / "launch.json"
+    _run(
+        [
+            sys.executable,
+            str(HERE / "host.py"),
+            "launch",
+            "--state-dir",
+            str(work / "state-launch"),
+            "--store",
+            "sqlite",
+            "--runs",
+            str(settings.launch_runs),
+            "--out",
+            str(out),
+        ],
+        CHILD_SLACK_S,
+    )
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def bench_many(work: Path, settings: Settings) -> dict[str, Any]:
+    """Many guests on one supervisor (SQLite store) against one guest."""
+    out = work / "many.json"
+    _run(
+        [
+            sys.executable,
+            str(HERE / "host.py"),
+            "many",
+            "--state-dir",
+            str(work / "state-many"),
+            "--store",
+            "sqlite",
+            "--work",
+            str(work / "many"),
+            "--guests",
+            str(settings.guests),
+            "--single-inflight",
+            str(settings.single_inflight),
+            "--warmup",
+            str(settings.many_warmup_s),
+            "--duration",
+            str(settings.many_duration_s),
+            "--out",
+            str(out),
+        ],
+        2 * (settings.many_warmup_s + settings.many_duration_s) + 3 * CHILD_SLACK_S,
+    )
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per target and point, the round with the most calls/s (its latencies with it).
+
+    A target that failed or was skipped in any round is reported as such.
+    """
+    merged: dict[str, Any] = {}
+    for target in rounds[0]:
+        entries = [found[target] for found in rounds]
+        bad = next((e for e in entries if e.get("status") != "ok"), None)
+        if bad is not None:
+            merged[target] = bad
+            continue
+        best: dict[int, dict[str, Any]] = {}
+        for number, entry in enumerate(entries, start=1):
+            for measured in entry["points"]:
+                kept = best.get(measured["inflight"])
+                if kept is None or measured["calls_per_s"] > kept["calls_per_s"]:
+                    best[measured["inflight"]] = {**measured, "round": number}
+        merged[target] = {"status": "ok", "points": [best[n] for n in sorted(best)]}
+    return merged
+
+
+def run(settings: Settings, work: Path, skip: set[str]) -> tuple[dict[str, Any], bool]:
+    """Measure everything not in ``skip``; returns the results and whether all ran."""
+    started = datetime.datetime.now(datetime.UTC)
+    results: dict[str, Any] = {
+        "schema": "hostcall-bench/1",
+        "started_at": started.isoformat(timespec="seconds"),
+        "settings": asdict(settings),
+        "machine": system.machine(),
+        "code": system.code_version(),
+        "targets": {},
+    }
+    ok = True
+    _say(f"fsync cost on {work}")
+    results["fsync"] = system.fsync_cost(work / "fsync", settings.fsync_samples)
+
+    def attempt(name: str, measure: Any, *args: Any) -> Any:
+        nonlocal ok
+        _say(f"measuring {name}")
+        began = time.perf_counter()
+        try:
+            return measure(*args)
+        except (ChildFailed, OSError, ValueError, KeyError) as exc:
+            ok = False
+            _say(f"{name} failed: {exc}")
+            return {"status": "failed", "reason": str(exc)[:2000]}
+        finally:
+            _say(f"{name}: {time.perf_counter() - began:.1f} s")
+
+    rounds: list[dict[str, Any]] = []
+    for number in range(settings.rounds):
+        found: dict[str, Any] = {}
+        scratch = work / f"round-{number + 1}"
+        scratch.mkdir()
+        label = f" (round {number + 1} of {settings.rounds})" if settings.rounds > 1 else ""
+        if "echo" not in skip:
+            found["echo"] = attempt("echo" + label, bench_echo, scratch, settings)
+        if "hostcall" not in skip:
+            for store in ("memory", "sqlite"):
+                measured = attempt(
+                    f"hostcall {store}{label}", bench_hostcall, scratch, settings, store
+                )
+                if measured.get("status") == "failed":
+                    measured = {f"hostcall-{store}": measured, f"hostcall-{store}-sync": measured}
+                found.update(measured)
+        if "mcp" in skip:
+            found["mcp-stdio"] = {"status": "skipped", "reason": "--skip mcp"}
+        else:
+            found["mcp-stdio"] = attempt("mcp" + label, bench_mcp, scratch, settings)
+        rounds.append(found)
+    targets = results["targets"] = best_of(rounds)
+    if settings.rounds > 1:
+        results["rounds"] = rounds
+    if "launch" not in skip:
+        results["launch"] = attempt("launch overhead", bench_launch, work, settings)
+    if "many" not in skip:
+        results["many_guests"] = attempt(f"{settings.guests} guests", bench_many, work, settings)
+    if "import" not in skip:
+        results["import_time"] = attempt(
+            "guest_client import", system.import_time, settings.import_samples
+        )
+    results["thread_hop"] = attempt("thread hop", system.thread_hop, settings.hop_samples)
+    for target, entry in targets.items():
+        for found in entry.get("points", []):
+            if found["errors"]:
+                ok = False
+                _say(f"{target} at {found['inflight']}: {found['errors']} bad answers")
+    results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["finished_at"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    results["checks"] = report.checks_json(report.checks(results))
+    return results, ok
+
+
+def summary(results: dict[str, Any]) -> str:
+    """The human-readable report of one run."""
+    machine = results["machine"]
+    code = results.get("code", {})
+    lines = [
+        f"hostcall benchmark {results['started_at']}: {machine['cpu']}, {machine['cores']} cores, "
+        f"Linux {machine['kernel']}, Python {machine['python']}, "
+        f"load {machine['loadavg_start']} -> {machine.get('loadavg_end')}",
+        f"code: {code.get('commit')} {code.get('subject')!r}"
+        + (" + uncommitted changes" if code.get("uncommitted_changes") else ""),
+        "",
+        report.table(results),
+        "",
+        "calls/s (p99 ms) at each number of calls in flight:",
+        "",
+        report.sweep_table(results),
+        "",
+        report.checks_table(report.checks(results)),
+        "",
+    ]
+    fsync = results.get("fsync", {})
+    lines.append(f"fsync p50 {fsync.get('p50_us')} µs, p90 {fsync.get('p90_us')} µs")
+    launch = results.get("launch") or {}
+    if launch.get("status") != "failed" and launch:
+        lines.append(
+            f"launch /bin/true: bare {launch['bare_p50_ms']} ms, through the supervisor "
+            f"{launch['hostcall_p50_ms']} ms (output not captured: "
+            f"{launch['hostcall_no_capture_p50_ms']} ms); overhead {launch['overhead_p50_ms']} ms"
+        )
+    many = results.get("many_guests") or {}
+    if many.get("status") != "failed" and many:
+        crowd = many["many"]
+        lines.append(
+            f"{many['guests']} guests: {crowd['calls_per_s']} calls/s aggregate vs "
+            f"{many['single']['calls_per_s']} for one guest at {many['single']['inflight']} in "
+            f"flight; supervisor peak RSS {crowd['supervisor_peak_rss_mb']} MB, "
+            f"{crowd['server_cpu_us_per_call']} µs CPU/call; guests failed "
+            f"{crowd['guests_failed']}, with errors {crowd['guests_with_errors']}"
+            + (
+                f" (first: {crowd['first_failure'] or crowd['first_error']})"
+                if crowd["guests_failed"] or crowd["guests_with_errors"]
+                else ""
+            )
+        )
+    hop = results.get("thread_hop") or {}
+    if hop.get("status") != "failed" and hop:
+        lines.append(
+            f"worker-thread hop alone (run_in_executor of a no-op, uvloop, 64 threads): "
+            f"p50 {hop['hop_p50_us']} µs one at a time (async no-op {hop['async_p50_us']} µs); "
+            f"32 at once {hop['hop_32_wall_us_per_call']} µs wall and "
+            f"{hop['hop_32_cpu_us_per_call']} µs CPU per call"
+        )
+    imported = results.get("import_time") or {}
+    if imported.get("status") != "failed" and imported:
+        lines.append(
+            f"import guest_client: {imported['wall_ms']} ms wall over a bare interpreter "
+            f"(-X importtime: {imported['importtime_ms']} ms)"
+        )
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scripts/bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny durations: a smoke run")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--plot",
+        nargs="?",
+        type=Path,
+        const=DEFAULT_PLOT,
+        help=f"draw calls/s and p99 against calls in flight (default {DEFAULT_PLOT})",
+    )
+    parser.add_argument("--skip", default="", help=f"comma-separated parts of {PARTS}")
+    parser.add_argument("--duration", type=float, help="seconds measured per point")
+    parser.add_argument("--guests", type=int, help="guests in the many-guests run")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="measure the targets N times, alternating, and keep each point's best round "
+        "(default 2; --quick: 1)",
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        help="parent of the scratch folder (state dirs, sockets); its file system is the "
+        "one whose fsync is measured (default: the system's temp folder)",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=RESULTS_DIR,
+        help=f"where bench-<time>.json goes (default {RESULTS_DIR})",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; exit 1 if a part failed to run (a missed target is not a failure)."""
+    args = _parser().parse_args(argv)
+    settings = Settings.quick() if args.quick else Settings()
+    overrides: dict[str, Any] = {}
+    if args.duration is not None:
+        overrides["duration_s"] = args.duration
+    if args.guests is not None:
+        overrides["guests"] = args.guests
+    if args.rounds is not None:
+        overrides["rounds"] = args.rounds
+    if overrides:
+        settings = Settings(**{**asdict(settings), **overrides})
+    skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    unknown = skip - set(PARTS)
+    if unknown:
+        print(f"bench: unknown part(s) {sorted(unknown)}; parts are {PARTS}", file=sys.stderr)
+        return 2
+    if args.work_dir is not None:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="hostcall-bench-", dir=args.work_dir))
+    try:
+        results, ok = run(settings, work, skip)
+    finally:
+        if args.keep:
+            _say(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    results["quick"] = args.quick
+    print(summary(results))
+    stamp = results["started_at"].replace(":", "").replace("-", "").replace("+0000", "Z")
+    paths = [args.results_dir / f"bench-{stamp}.json"]
+    if args.json is not None:
+        paths.append(args.json)
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        _say(f"wrote {path}")
+    if args.plot is not None:
+        report.plot(results, args.plot)
+        _say(f"wrote {args.plot}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

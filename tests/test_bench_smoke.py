@@ -1,0 +1,156 @@
+"""scripts/bench runs end to end: a quick run produces well-formed JSON with every
+target and every check. No timing is asserted: on a shared machine the numbers of
+a run this short mean nothing, only their presence and shape are tested."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "scripts" / "benchmarks" / "run.py"
+#: The whole quick run, every child process included, stays well inside this.
+QUICK_RUN_TIMEOUT_S = 120
+
+HTTP_TARGETS = [
+    "echo",
+    "hostcall-memory",
+    "hostcall-sqlite",
+    "hostcall-memory-sync",
+    "hostcall-sqlite-sync",
+]
+POINT_FIELDS = {
+    "tool",
+    "inflight",
+    "calls",
+    "errors",
+    "seconds",
+    "calls_per_s",
+    "p50_us",
+    "p90_us",
+    "p99_us",
+    "mean_us",
+    "client_cpu_us_per_call",
+    "server_cpu_us_per_call",
+}
+CHECKS = {
+    "sqlite32_vs_echo32",
+    "sqlite32_vs_mcp32",
+    "memory1_vs_echo1",
+    "sqlite1_added_p50_us",
+    "memory1_vs_mcp1",
+    "sqlite32_vs_memory32",
+    "many_vs_single",
+    "many_rss_mb",
+    "launch_overhead_ms",
+}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    folder = tmp_path_factory.mktemp("bench")
+    out = folder / "bench.json"
+    plot = folder / "bench.png"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HOSTCALL_")}
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(RUN),
+            "--quick",
+            "--json",
+            str(out),
+            "--work-dir",
+            str(folder),
+            "--results-dir",
+            str(folder),
+            *(["--plot", str(plot)] if _has("matplotlib") else []),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=QUICK_RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    if _has("matplotlib"):
+        assert plot.read_bytes().startswith(b"\x89PNG")
+    return json.loads(out.read_text()), completed.stdout
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _assert_point_is_well_formed(found: dict[str, Any]) -> None:
+    assert set(found) >= POINT_FIELDS
+    assert found["calls"] > 0
+    assert found["errors"] == 0, found["first_error"]
+    assert 0 < found["p50_us"] <= found["p99_us"]
+    assert found["server_cpu_us_per_call"] is not None
+
+
+def test_a_quick_run_measures_every_http_target_at_1_and_32_calls_in_flight(
+    quick_run: tuple[dict[str, Any], str],
+) -> None:
+    results, _ = quick_run
+    for target in HTTP_TARGETS:
+        entry = results["targets"][target]
+        assert entry["status"] == "ok", entry
+        assert [p["inflight"] for p in entry["points"]] == [1, 32]
+        for found in entry["points"]:
+            _assert_point_is_well_formed(found)
+
+
+def test_mcp_is_measured_when_installed_and_skipped_with_a_reason_otherwise(
+    quick_run: tuple[dict[str, Any], str],
+) -> None:
+    results, _ = quick_run
+    entry = results["targets"]["mcp-stdio"]
+    if _has("mcp"):
+        assert entry["status"] == "ok", entry
+        for found in entry["points"]:
+            _assert_point_is_well_formed(found)
+    else:
+        assert entry["status"] == "skipped"
+        assert "mcp" in entry["reason"]
+
+
+def test_a_quick_run_reports_guests_launch_fsync_import_time_and_the_thread_hop(
+    quick_run: tuple[dict[str, Any], str],
+) -> None:
+    results, _ = quick_run
+    many = results["many_guests"]
+    assert many["guests"] == 3
+    assert many["many"]["calls"] > 0
+    assert many["many"]["errors"] == 0
+    assert many["many"]["guests_failed"] == 0
+    assert many["many"]["supervisor_peak_rss_mb"] > 0
+    assert results["launch"]["runs"] == 2
+    assert results["launch"]["bare_p50_ms"] > 0
+    assert results["fsync"]["p50_us"] > 0
+    assert results["import_time"]["importtime_ms"] is not None
+    assert results["thread_hop"]["hop_p50_us"] > 0
+    assert results["machine"]["cores"] >= 1
+
+
+def test_every_check_of_issue_8_has_a_value_and_a_verdict(
+    quick_run: tuple[dict[str, Any], str],
+) -> None:
+    results, stdout = quick_run
+    checks = {check["name"]: check for check in results["checks"]}
+    assert set(checks) >= CHECKS
+    mcp_checks = {"sqlite32_vs_mcp32", "memory1_vs_mcp1"}
+    for name in CHECKS - (set() if _has("mcp") else mcp_checks):
+        assert checks[name]["value"] is not None, name
+        assert checks[name]["verdict"] in ("PASS", "MISS"), name
+    for name in CHECKS:
+        assert checks[name]["what"] in stdout
