@@ -160,8 +160,8 @@ async def test_the_supervisor_own_hostcall_variables_are_not_passed_on(
     monkeypatch.setenv("HOSTCALL_CREDENTIAL", "leaked-from-the-host")
     monkeypatch.setenv("HOSTCALL_SOMETHING", "x")
     async with Supervisor(tmp_path / "s") as sup, driven_guest(sup, billing_plan(ledger)) as guest:
+        reply = await guest.call("c1", "lookup", {"account": "a"})  # it has exec'd by now
         environ = Path(f"/proc/{guest.execution.guest_pid}/environ").read_bytes()
-        reply = await guest.call("c1", "lookup", {"account": "a"})
     assert b"leaked-from-the-host" not in environ
     assert b"HOSTCALL_SOMETHING" not in environ
     assert reply["status"] == 200
@@ -189,8 +189,8 @@ async def test_the_env_transport_hands_the_credential_through_the_environment(
         Supervisor(tmp_path / "s", credential_transport="env") as sup,
         driven_guest(sup, billing_plan(ledger)) as guest,
     ):
+        reply = await guest.call("c1", "lookup", {"account": "a"})  # it has exec'd by now
         environ = Path(f"/proc/{guest.execution.guest_pid}/environ").read_bytes()
-        reply = await guest.call("c1", "lookup", {"account": "a"})
     assert b"HOSTCALL_CREDENTIAL=" in environ
     assert b"HOSTCALL_CREDENTIAL_FD" not in environ
     assert reply["status"] == 200
