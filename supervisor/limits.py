@@ -46,11 +46,3 @@ class Limits:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be greater than 0")
-
-    @property
-    def sampled(self) -> bool:
-        """Whether any limit needs the tree's usage."""
-        return any(
-            v is not None
-            for v in (self.memory_bytes, self.cpu_s, self.max_processes, self.max_open_files)
-        )
