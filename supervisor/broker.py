@@ -27,7 +27,7 @@ from supervisor.errors import Refusal, StoreUnavailable
 from supervisor.faults import crash_point
 from supervisor.metrics import Metrics
 from supervisor.plan import Plan
-from supervisor.receipts import ReceiptLog
+from supervisor.receipts import Receipts, make_receipt
 from supervisor.replay import Replay, decide_replay
 from supervisor.stores.base import Charge, EffectRecord, EffectStatus, EffectStore, StartCall
 from supervisor.tools import Tool
@@ -69,6 +69,8 @@ class _Outcome:
     result: Any = None
     has_result: bool = False
     approval_id: str | None = None
+    #: Set when the receipt was recorded with the call's commit.
+    receipt_id: str | None = None
 
 
 @dataclass(eq=False)
@@ -80,7 +82,7 @@ class Broker:
     execution_id: str
     store: EffectStore
     approvals: ApprovalGate
-    receipts: ReceiptLog
+    receipts: Receipts
     #: Why the execution may not dispatch now (ended, cancelled, fenced), or None.
     dispatch_blocker: Callable[[], Refusal | None]
     revoked: Set[str] = frozenset()
@@ -120,7 +122,11 @@ class Broker:
                 CallReply.refused(call_id, unavailable, tool=tool, idempotency_key=key), "refused"
             )
         self.outcomes[outcome.receipt_outcome] += 1
-        receipt_id = await self._receipt(call_id, tool, key, outcome, started_at)
+        receipt_id = outcome.receipt_id
+        if receipt_id is None:
+            receipt = self._receipt(call_id, tool, key, outcome, started_at)
+            await self.receipts.record(receipt)
+            receipt_id = receipt["receipt_id"]
         if self.metrics is not None:
             self.metrics.observe(tool, outcome.receipt_outcome, self.clock() - started_at)
         if outcome.reply.status in ("ok", "error") and outcome.reply.effect != "failed":
@@ -416,8 +422,12 @@ class Broker:
                 error={"code": "result_invalid", "message": problem},
             )
             outcome = _Outcome(reply, "result_invalid", approval_id=approval_id)
+        receipt = self._receipt(call.call_id, tool.name, call.key, outcome, call.started_at)
         try:
-            await self.store.commit(self.invocation_id, call.call_id, reply.to_json(), self.clock())
+            # The record and its receipt: one transaction where the store journals receipts.
+            await self.receipts.commit(
+                self.store, self.invocation_id, call.call_id, reply.to_json(), self.clock(), receipt
+            )
         except StoreUnavailable as exc:
             # It ran, but we could not record it: the row stays pending and
             # becomes unknown at the next start. Never claim it did not run.
@@ -425,6 +435,7 @@ class Broker:
             reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
             return _Outcome(reply, "unknown", approval_id=approval_id)
         crash_point("before_reply")
+        outcome.receipt_id = receipt["receipt_id"]
         return outcome
 
     async def _invoke(self, tool: Tool, model: BaseModel) -> Any:
@@ -445,16 +456,16 @@ class Broker:
             # The row stays pending and becomes unknown at the next start.
             logger.error("cannot record a call's outcome: %s", exc)
 
-    async def _receipt(
+    def _receipt(
         self,
         call_id: str,
         tool: str,
         key: str | None,
         outcome: _Outcome,
         started_at: float,
-    ) -> str:
+    ) -> dict[str, Any]:
         error = outcome.reply.error
-        return await self.receipts.append(
+        return make_receipt(
             invocation_id=self.invocation_id,
             execution_id=self.execution_id,
             plan_hash=self.plan.plan_hash,

@@ -12,6 +12,10 @@ leave a different state behind:
 | ``in_handler`` | a ``pending`` row, the effect done (the harness's handler calls it) |
 | ``after_handler`` | the handler returned; its result not yet committed |
 | ``before_reply`` | committed; the guest never got the answer |
+
+One more point, outside the harness's rotation (it is reached only on the
+SQLite store): ``receipt_journaled`` — a transaction holding receipts has
+committed, their lines are not yet in the receipt file.
 """
 
 from __future__ import annotations
@@ -20,17 +24,19 @@ import os
 import signal
 from typing import Final
 
-__all__ = ["POINTS", "crash_point"]
+__all__ = ["POINTS", "STORE_POINTS", "crash_point"]
 
 POINTS: Final = ("before_begin", "after_begin", "in_handler", "after_handler", "before_reply")
+STORE_POINTS: Final = ("receipt_journaled",)
 
 
 def _parse(value: str | None) -> tuple[str, int] | None:
     if not value:
         return None
     point, _, nth = value.partition(":")
-    if point not in POINTS:
-        raise ValueError(f"HOSTCALL_FAULT: unknown point {point!r}; one of {', '.join(POINTS)}")
+    if point not in POINTS + STORE_POINTS:
+        known = ", ".join(POINTS + STORE_POINTS)
+        raise ValueError(f"HOSTCALL_FAULT: unknown point {point!r}; one of {known}")
     return point, int(nth or "1")
 
 

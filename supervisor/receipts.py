@@ -2,8 +2,13 @@
 
 ``hash = sha256(JCS(receipt without hash))`` and ``prev_hash`` is the previous
 line's ``hash`` (64 zeros for the first), so changing, removing or reordering a
-line breaks the chain. Lines are chained in the order :meth:`ReceiptLog.append`
-is called; writes queued while one is being flushed share its fsync.
+line breaks the chain.
+
+Two writers: :class:`ReceiptLog` chains lines in the order :meth:`~ReceiptLog.record`
+is called and fsyncs the file itself (writes queued while one is being flushed
+share its fsync); :class:`JournaledReceipts` lets the SQLite store chain and
+journal them in the transactions that record the calls, so a call costs one
+fsync, not two (:mod:`supervisor.stores.journal`).
 """
 
 from __future__ import annotations
@@ -13,16 +18,32 @@ import datetime
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from supervisor.canonical import jcs, sha256_hex
+from supervisor.errors import StoreUnavailable
 from supervisor.ids import new_id
 
-__all__ = ["GENESIS_HASH", "ChainError", "ReceiptLog", "utc_timestamp", "verify_chain"]
+if TYPE_CHECKING:
+    from supervisor.stores.base import EffectStore
+    from supervisor.stores.sqlite import SQLiteEffectStore
+
+__all__ = [
+    "GENESIS_HASH",
+    "ChainError",
+    "JournaledReceipts",
+    "ReceiptLog",
+    "Receipts",
+    "last_hash",
+    "make_receipt",
+    "seal",
+    "utc_timestamp",
+    "verify_chain",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +73,7 @@ def utc_timestamp(seconds: float) -> str:
     return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-def _last_hash(path: Path) -> str:
+def last_hash(path: Path) -> str:
     """The ``hash`` of the file's last line, reading only its tail."""
     try:
         with path.open("rb") as f:
@@ -76,64 +97,126 @@ def _last_hash(path: Path) -> str:
     return str(value)
 
 
-class ReceiptLog:
-    """The receipt file of one invocation, shared by all its executions."""
+def make_receipt(
+    *,
+    invocation_id: str,
+    execution_id: str,
+    plan_hash: str,
+    call_id: str | None,
+    tool: str | None,
+    idempotency_key: str | None,
+    outcome: str,
+    error_code: str | None,
+    result: Any = None,
+    has_result: bool = False,
+    approval_id: str | None,
+    started_at: float,
+    finished_at: float,
+) -> dict[str, Any]:
+    """A receipt without its place in the chain (``prev_hash`` and ``hash``)."""
+    return {
+        "receipt_id": new_id("rcpt"),
+        "invocation_id": invocation_id,
+        "execution_id": execution_id,
+        "plan_hash": plan_hash,
+        "call_id": call_id,
+        "tool": tool,
+        "idempotency_key": idempotency_key,
+        "outcome": outcome,
+        "error_code": error_code,
+        "result_sha256": sha256_hex(jcs(result)) if has_result else None,
+        "approval_id": approval_id,
+        "started_at": utc_timestamp(started_at),
+        "finished_at": utc_timestamp(finished_at),
+    }
 
-    def __init__(self, path: Path, executor: Executor | None = None) -> None:
+
+def seal(receipt: Mapping[str, Any], prev_hash: str) -> tuple[bytes, str]:
+    """Chain ``receipt`` after ``prev_hash``: its JSON line and its ``hash``."""
+    sealed = {**receipt, "prev_hash": prev_hash}
+    sealed["hash"] = digest = sha256_hex(jcs(sealed))
+    line = json.dumps(sealed, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+    return line, digest
+
+
+class Receipts(Protocol):
+    """Where one invocation's receipts go: :class:`ReceiptLog` (the file,
+    fsync'd) or :class:`JournaledReceipts` (the SQLite store's transactions)."""
+
+    path: Path
+
+    async def record(self, receipt: dict[str, Any]) -> None:
+        """Chain ``receipt`` (from :func:`make_receipt`) and make it durable."""
+        ...
+
+    async def commit(
+        self,
+        store: EffectStore,
+        invocation_id: str,
+        call_id: str,
+        response: Mapping[str, Any],
+        now: float,
+        receipt: dict[str, Any],
+    ) -> None:
+        """Commit a dispatched call's record, then record its receipt.
+
+        Raises:
+            StoreUnavailable: the record was not committed (and the receipt
+                not recorded): the caller records an ``unknown`` one instead.
+        """
+        ...
+
+
+class ReceiptLog:
+    """The receipt file of one invocation, shared by all its executions.
+
+    With ``fsync`` (stores that survive the process), :meth:`record` returns
+    once its line is on disk; without it (the memory store, whose records do
+    not survive the process either) once the line is written to the file.
+    """
+
+    def __init__(self, path: Path, executor: Executor | None = None, *, fsync: bool = True) -> None:
         self.path = path
         self._executor = executor  # None: the loop's default pool
+        self._fsync = fsync
         self._prev_hash: str | None = None
         self._queue: list[tuple[bytes, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
-    async def append(
-        self,
-        *,
-        invocation_id: str,
-        execution_id: str,
-        plan_hash: str,
-        call_id: str | None,
-        tool: str | None,
-        idempotency_key: str | None,
-        outcome: str,
-        error_code: str | None,
-        result: Any = None,
-        has_result: bool = False,
-        approval_id: str | None,
-        started_at: float,
-        finished_at: float,
-    ) -> str:
-        """Chain and durably write one receipt; returns its ``receipt_id``."""
+    async def append(self, **fields: Any) -> str:
+        """Chain and durably write one receipt (fields of :func:`make_receipt`);
+        returns its ``receipt_id``."""
+        receipt = make_receipt(**fields)
+        await self.record(receipt)
+        return str(receipt["receipt_id"])
+
+    async def record(self, receipt: dict[str, Any]) -> None:
         if self._prev_hash is None:
             # Read synchronously: an await here would let a second append read
             # the same tail and fork the chain. It reads one small tail, once.
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._prev_hash = _last_hash(self.path)
-        receipt: dict[str, Any] = {
-            "receipt_id": new_id("rcpt"),
-            "invocation_id": invocation_id,
-            "execution_id": execution_id,
-            "plan_hash": plan_hash,
-            "call_id": call_id,
-            "tool": tool,
-            "idempotency_key": idempotency_key,
-            "outcome": outcome,
-            "error_code": error_code,
-            "result_sha256": sha256_hex(jcs(result)) if has_result else None,
-            "approval_id": approval_id,
-            "started_at": utc_timestamp(started_at),
-            "finished_at": utc_timestamp(finished_at),
-            "prev_hash": self._prev_hash,
-        }
-        receipt["hash"] = sha256_hex(jcs(receipt))
-        self._prev_hash = receipt["hash"]
-        line = json.dumps(receipt, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+            self._prev_hash = last_hash(self.path)
+        line, self._prev_hash = seal(receipt, self._prev_hash)
+        if not self._fsync:
+            self._write(line)  # a page-cache write, in chain order: no thread hop
+            return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.append((line, done))
         if self._flusher is None:
             self._flusher = asyncio.create_task(self._flush())
         await asyncio.shield(done)
-        return str(receipt["receipt_id"])
+
+    async def commit(
+        self,
+        store: EffectStore,
+        invocation_id: str,
+        call_id: str,
+        response: Mapping[str, Any],
+        now: float,
+        receipt: dict[str, Any],
+    ) -> None:
+        await store.commit(invocation_id, call_id, response, now)
+        await self.record(receipt)
 
     async def _flush(self) -> None:
         try:
@@ -144,9 +227,7 @@ class ReceiptLog:
                         self._executor, self._write, b"".join(line for line, _ in batch)
                     )
                 except OSError as exc:
-                    # The calls themselves are recorded in the effect store; an
-                    # audit line we could not write must at least be loud.
-                    logger.error("cannot write receipts to %s: %s", self.path, exc)
+                    _cannot_write(self.path, exc)
                 for _, done in batch:
                     if not done.done():
                         done.set_result(None)
@@ -154,12 +235,64 @@ class ReceiptLog:
             self._flusher = None
 
     def _write(self, data: bytes) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            os.write(fd, data)
+            append_to(self.path, data, fsync=self._fsync)
+        except OSError as exc:
+            if self._fsync:
+                raise
+            _cannot_write(self.path, exc)
+
+
+def append_to(path: Path, data: bytes, *, fsync: bool) -> None:
+    """Append ``data`` to ``path`` (created ``0600``), all of it, then fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if fsync:
             os.fsync(fd)
-        finally:
-            os.close(fd)
+    finally:
+        os.close(fd)
+
+
+def _cannot_write(path: Path, exc: OSError) -> None:
+    # The calls themselves are recorded in the effect store; an audit line we
+    # could not write must at least be loud.
+    logger.error("cannot write receipts to %s: %s", path, exc)
+
+
+class JournaledReceipts:
+    """Receipts written through the SQLite store (SPEC §8, one fsync per call).
+
+    The store chains each receipt and journals its line in the transaction
+    that records the call (a committed call's receipt shares its commit), then
+    appends it to the file; the file is fsync'd and the journal trimmed in the
+    background, and a store that opens after a crash first completes the file
+    from the journal. See :mod:`supervisor.stores.journal`.
+    """
+
+    def __init__(self, path: Path, store: SQLiteEffectStore) -> None:
+        self.path = path
+        self._store = store
+
+    async def record(self, receipt: dict[str, Any]) -> None:
+        try:
+            await self._store.record_receipt(self.path, receipt)
+        except StoreUnavailable as exc:
+            logger.error("cannot record a receipt for %s: %s", self.path, exc)
+
+    async def commit(
+        self,
+        store: EffectStore,
+        invocation_id: str,
+        call_id: str,
+        response: Mapping[str, Any],
+        now: float,
+        receipt: dict[str, Any],
+    ) -> None:
+        entry = (self.path, receipt)
+        await self._store.commit(invocation_id, call_id, response, now, receipt=entry)
 
 
 @dataclass(frozen=True, slots=True)

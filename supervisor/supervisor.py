@@ -37,9 +37,9 @@ from supervisor.process import (
     stop_tree,
     wait_exited,
 )
-from supervisor.receipts import ReceiptLog
+from supervisor.receipts import JournaledReceipts, ReceiptLog, Receipts
 from supervisor.statedir import StateDir
-from supervisor.stores import EffectStore, store_from_spec
+from supervisor.stores import EffectStore, SQLiteEffectStore, store_from_spec
 from supervisor.tracking import TreeTracker, become_subreaper
 
 __all__ = ["ExecutionOutcome", "Limits", "RunOutcome", "Supervisor"]
@@ -56,7 +56,7 @@ HANDLER_THREADS: Final = 64
 @dataclass(eq=False)
 class _Invocation:
     plan: Plan
-    receipts: ReceiptLog
+    receipts: Receipts
     deadline_at: float | None
     revoked: set[str] = field(default_factory=set)
 
@@ -98,7 +98,7 @@ class Supervisor:
         self._tracker = TreeTracker()
         self._executions = ExecutionTable()
         self._invocations: dict[str, _Invocation] = {}
-        self._receipt_logs: weakref.WeakValueDictionary[str, ReceiptLog] = (
+        self._receipt_logs: weakref.WeakValueDictionary[str, Receipts] = (
             weakref.WeakValueDictionary()
         )
         self._channel: ChannelServer | None = None
@@ -269,7 +269,7 @@ class Supervisor:
             if receipts is None:
                 # One writer per file, even while an ended execution's handler
                 # still finishes: the chain must never fork.
-                receipts = self._receipt_logs[str(path)] = ReceiptLog(path, self._executor)
+                receipts = self._receipt_logs[str(path)] = self._receipts_at(path)
             invocation = _Invocation(
                 plan,
                 receipts,
@@ -278,6 +278,13 @@ class Supervisor:
             )
             self._invocations[invocation_id] = invocation
         return invocation
+
+    def _receipts_at(self, path: Path) -> Receipts:
+        store = self.store
+        if store.journals_receipts:
+            assert isinstance(store, SQLiteEffectStore)
+            return JournaledReceipts(path, store)
+        return ReceiptLog(path, self._executor, fsync=store.durable)
 
     def _new_execution(
         self, plan: Plan, invocation_id: str, invocation: _Invocation, digest: bytes

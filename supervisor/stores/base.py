@@ -157,6 +157,17 @@ class EffectStore(Protocol):
     - Driver errors surface as :class:`~supervisor.errors.StoreUnavailable`.
     """
 
+    @property
+    def durable(self) -> bool:
+        """Whether records survive the process (receipts are fsync'd if so)."""
+        ...
+
+    @property
+    def journals_receipts(self) -> bool:
+        """Whether receipts go through the store's transactions
+        (:class:`~supervisor.receipts.JournaledReceipts`)."""
+        ...
+
     async def open(self) -> int:
         """Prepare the store; returns how many pending rows became unknown."""
         ...

@@ -26,6 +26,10 @@ __all__ = ["MemoryEffectStore"]
 class MemoryEffectStore:
     """:class:`~supervisor.stores.base.EffectStore` in dicts, atomic by one lock."""
 
+    #: Nothing survives the process, so receipt lines are not fsync'd either.
+    durable = False
+    journals_receipts = False
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records: dict[tuple[str, str], EffectRecord] = {}

@@ -148,6 +148,11 @@ class PostgresEffectStore:
             unknown ``hostcall_*`` option or a value out of range.
     """
 
+    #: Records survive the process; receipts go to the file (fsync'd) of the
+    #: replica that answered, not through the shared database.
+    durable = True
+    journals_receipts = False
+
     def __init__(
         self,
         dsn: str,

@@ -4,13 +4,16 @@ All statements run on one writer thread that owns the connection. Operations
 queued while a transaction is being written share the next one (group
 commit): each runs inside its own SAVEPOINT, so one failing operation does not
 undo its neighbours, and the batch costs one fsync. ``synchronous=FULL``: when
-``begin`` returns, its ``pending`` row is on disk.
+``begin`` returns, its ``pending`` row is on disk. Receipts are journaled in the
+same transactions (:mod:`supervisor.stores.journal`): a committed call and its
+receipt share one fsync.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import sqlite3
 import threading
@@ -32,12 +35,23 @@ from supervisor.stores.base import (
     budget_allows,
     charge_refusal,
 )
+from supervisor.stores.journal import (
+    CHECKPOINT_ROWS,
+    JOURNAL_SCHEMA,
+    ReceiptJournal,
+    recover,
+)
 
 __all__ = ["SCHEMA_VERSION", "SQLiteEffectStore", "read_calls"]
 
 T = TypeVar("T")
 
-SCHEMA_VERSION: Final = 1
+logger = logging.getLogger(__name__)
+
+#: 2: the receipt journal.
+SCHEMA_VERSION: Final = 2
+#: How long the writer waits idle before it fsyncs journaled receipt files.
+CHECKPOINT_IDLE_S: Final = 0.2
 #: Most operations one transaction takes; the rest wait for the next one.
 MAX_BATCH: Final = 256
 #: Tries to open a new store while another connection switches it to WAL.
@@ -46,7 +60,8 @@ _OPEN_BACKOFF_S: Final = 0.01
 #: How long SQLite waits for a lock held by a reader (e.g. ``hostcall calls``).
 BUSY_TIMEOUT_MS: Final = 5000
 
-_SCHEMA: Final = """
+_SCHEMA: Final = (
+    """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS invocations (
     invocation_id TEXT PRIMARY KEY,
@@ -82,6 +97,8 @@ CREATE TABLE IF NOT EXISTS revocations (
     PRIMARY KEY (invocation_id, tool)
 );
 """
+    + JOURNAL_SCHEMA
+)
 
 _EFFECT_COLUMNS: Final = (
     "invocation_id, call_id, tool, idempotency_key, status, execution_id, response,"
@@ -140,11 +157,16 @@ class SQLiteEffectStore:
     ``unknown``.
     """
 
+    #: Records survive the process; receipts share its transactions.
+    durable = True
+    journals_receipts = True
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._queue: queue.SimpleQueue[tuple[_Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._journal = ReceiptJournal()
 
     # -- the writer thread ------------------------------------------------
 
@@ -175,8 +197,14 @@ class SQLiteEffectStore:
     def _serve(self, conn: sqlite3.Connection) -> None:
         try:
             while True:
-                first = self._queue.get()
+                idle_s = CHECKPOINT_IDLE_S if self._journal.unsynced else None
+                try:
+                    first = self._queue.get(timeout=idle_s)
+                except queue.Empty:
+                    self._checkpoint(conn)  # idle: make the receipt files durable
+                    continue
                 if first is None:
+                    self._checkpoint(conn)
                     return
                 batch = [first]
                 while len(batch) < MAX_BATCH:
@@ -189,8 +217,18 @@ class SQLiteEffectStore:
                         break
                     batch.append(item)
                 self._run_batch(conn, batch)
+                if self._journal.unsynced >= CHECKPOINT_ROWS:
+                    self._checkpoint(conn)
         finally:
             conn.close()
+
+    def _checkpoint(self, conn: sqlite3.Connection) -> None:
+        if not self._journal.unsynced:
+            return
+        try:
+            self._journal.checkpoint(conn)
+        except sqlite3.Error as exc:  # the rows stay; the next checkpoint or start retries
+            logger.error("effect store %s: cannot trim the receipt journal: %s", self.path, exc)
 
     def _run_batch(
         self, conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any]]]
@@ -203,17 +241,23 @@ class SQLiteEffectStore:
                 try:
                     result = op(conn)
                 except Exception as exc:  # boundary: the thread must outlive any one op
+                    self._journal.end_op(kept=False)
                     conn.execute("ROLLBACK TO op")
                     conn.execute("RELEASE op")
                     outcomes.append((future, None, exc))
                 else:
                     conn.execute("RELEASE op")
+                    self._journal.end_op(kept=True)
                     outcomes.append((future, result, None))
             conn.execute("COMMIT")  # one fsync for the whole batch
         except sqlite3.Error as exc:
+            self._journal.end_op(kept=False)
+            self._journal.end_batch(committed=False)
             if conn.in_transaction:
                 conn.rollback()
             outcomes = [(future, None, exc) for _, future in batch]
+        else:
+            self._journal.end_batch(committed=True)  # the lines go to their files
         assert self._loop is not None
         self._loop.call_soon_threadsafe(_settle, outcomes)
 
@@ -255,6 +299,12 @@ class SQLiteEffectStore:
                 raise sqlite3.DatabaseError(
                     f"schema version {row[0]} is newer than this hostcall ({SCHEMA_VERSION})"
                 )
+            elif int(row[0]) < SCHEMA_VERSION:  # 1 -> 2: the journal table (_SCHEMA made it)
+                conn.execute(
+                    "UPDATE meta SET value = ? WHERE key = 'schema_version'",
+                    (str(SCHEMA_VERSION),),
+                )
+            recover(conn)  # receipt lines a crash kept out of their files
             return conn.execute(
                 "UPDATE effects SET status = 'unknown' WHERE status = 'pending'"
             ).rowcount
@@ -371,16 +421,32 @@ class SQLiteEffectStore:
         return await self._run(op)
 
     async def commit(
-        self, invocation_id: str, call_id: str, response: Mapping[str, Any], now: float
+        self,
+        invocation_id: str,
+        call_id: str,
+        response: Mapping[str, Any],
+        now: float,
+        *,
+        receipt: tuple[Path, Mapping[str, Any]] | None = None,
     ) -> None:
+        """See :meth:`EffectStore.commit`; with ``receipt`` (its file and its
+        fields) the call's receipt is journaled in the same transaction."""
         text = json.dumps(response, separators=(",", ":"))
-        await self._run(
-            lambda conn: conn.execute(
+
+        def op(conn: sqlite3.Connection) -> None:
+            conn.execute(
                 "UPDATE effects SET status = 'committed', response = ?, updated_at = ?"
                 " WHERE invocation_id = ? AND call_id = ? AND status = 'pending'",
                 (text, now, invocation_id, call_id),
             )
-        )
+            if receipt is not None:
+                self._journal.add(conn, *receipt)
+
+        await self._run(op)
+
+    async def record_receipt(self, path: Path, receipt: Mapping[str, Any]) -> None:
+        """Chain a receipt into the file at ``path`` through the journal."""
+        await self._run(lambda conn: self._journal.add(conn, path, receipt))
 
     async def mark_unknown(self, invocation_id: str, call_id: str, now: float) -> None:
         await self._run(

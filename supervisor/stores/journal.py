@@ -1,0 +1,226 @@
+"""Receipts journaled in the SQLite store's own transactions.
+
+Without a journal a committed call costs two fsyncs before its reply: the
+store's commit and the receipt file's. With it, the writer thread chains the
+receipt and inserts its line into ``receipt_journal`` inside the transaction
+that records the call, so the commit's fsync makes both durable. After that
+transaction commits, the lines are appended to their files (page cache, in
+chain order). Now and then (:data:`CHECKPOINT_ROWS` lines, or an idle
+moment) the files are fsync'd and the journal rows they hold are deleted.
+
+A crash can leave the newest lines only in the journal (or a torn last line
+in a file): :func:`recover`, run when the store opens, completes every file
+from the journal before anything else is written. Everything here runs on
+the store's one writer thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final
+
+from supervisor.faults import crash_point
+from supervisor.receipts import GENESIS_HASH, append_to, last_hash, seal
+
+__all__ = ["CHECKPOINT_ROWS", "JOURNAL_SCHEMA", "ReceiptJournal", "recover"]
+
+logger = logging.getLogger(__name__)
+
+#: Journaled lines after which the files are fsync'd and the journal trimmed.
+CHECKPOINT_ROWS: Final = 1024
+
+JOURNAL_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS receipt_journal (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    path TEXT NOT NULL,
+    hash TEXT NOT NULL,
+    line BLOB NOT NULL
+);
+"""
+
+
+class ReceiptJournal:
+    """Chain heads and unsynced lines of every receipt file the store writes.
+
+    The writer thread calls :meth:`add` inside an operation, then
+    :meth:`end_op` when the operation's savepoint is released or rolled back,
+    and :meth:`end_batch` when the transaction committed or failed: a chain
+    head moves only with a committed line.
+    """
+
+    def __init__(self) -> None:
+        self._heads: dict[str, str] = {}  # path -> hash of its last committed line
+        self._batch_heads: dict[str, str] = {}
+        self._batch: list[tuple[str, bytes]] = []
+        self._op: list[tuple[str, bytes, str]] = []
+        self._dirty: set[str] = set()  # written since the last checkpoint
+        self._broken: set[str] = set()  # could not be written: lines stay journaled
+        self._last_seq = 0
+        #: Lines journaled since the last checkpoint.
+        self.unsynced = 0
+
+    def add(self, conn: sqlite3.Connection, path: Path, receipt: Mapping[str, Any]) -> None:
+        """Chain ``receipt`` after its file's head and journal its line."""
+        key = str(path)
+        line, digest = seal(receipt, self._head(key))
+        cursor = conn.execute(
+            "INSERT INTO receipt_journal (path, hash, line) VALUES (?, ?, ?)", (key, digest, line)
+        )
+        self._last_seq = max(self._last_seq, cursor.lastrowid or 0)
+        self._op.append((key, line, digest))
+
+    def _head(self, path: str) -> str:
+        for queued, _, digest in reversed(self._op):
+            if queued == path:
+                return digest
+        head = self._batch_heads.get(path)
+        if head is None:
+            head = self._heads.get(path)
+        if head is None:
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                head = last_hash(Path(path))
+            except (OSError, ValueError, KeyError) as exc:
+                # The chain cannot continue this file; the lines stay in the
+                # journal (the next start reports them) and the call is recorded.
+                self._break(path, OSError(f"its last line is unreadable: {exc}"))
+                head = GENESIS_HASH
+            self._heads[path] = head
+        return head
+
+    def end_op(self, *, kept: bool) -> None:
+        if kept:
+            for path, line, digest in self._op:
+                self._batch.append((path, line))
+                self._batch_heads[path] = digest
+        self._op.clear()
+
+    def end_batch(self, *, committed: bool) -> None:
+        """After ``COMMIT`` (or its failure): move the heads, write the lines."""
+        batch, self._batch = self._batch, []
+        heads, self._batch_heads = self._batch_heads, {}
+        if not committed or not batch:
+            return
+        self._heads.update(heads)
+        self.unsynced += len(batch)
+        crash_point("receipt_journaled")
+        by_path: dict[str, list[bytes]] = {}
+        for path, line in batch:
+            by_path.setdefault(path, []).append(line)
+        for path, lines in by_path.items():
+            if path in self._broken:
+                continue
+            try:
+                append_to(Path(path), b"".join(lines), fsync=False)
+            except OSError as exc:
+                self._break(path, exc)
+            else:
+                self._dirty.add(path)
+
+    def checkpoint(self, conn: sqlite3.Connection) -> None:
+        """fsync the files written since the last checkpoint, then delete the
+        journal rows they now hold. Runs outside any other transaction."""
+        for path in sorted(self._dirty):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                self._break(path, exc)
+        self._dirty.clear()
+        done = self._last_seq
+        broken = sorted(self._broken)
+        marks = ", ".join("?" * len(broken))
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute(
+                f"DELETE FROM receipt_journal WHERE seq <= ? AND path NOT IN ({marks})",
+                (done, *broken),
+            )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.rollback()
+            raise
+        self.unsynced = 0
+
+    def _break(self, path: str, exc: OSError) -> None:
+        # The lines stay in the journal; the next start writes them.
+        if path not in self._broken:
+            logger.error("cannot write receipts to %s (kept in the store's journal): %s", path, exc)
+        self._broken.add(path)
+
+
+def recover(conn: sqlite3.Connection) -> int:
+    """Complete every receipt file from the journal, fsync it and empty the
+    journal; returns how many lines were missing. Runs before any other write."""
+    written = 0
+    paths = [p for (p,) in conn.execute("SELECT DISTINCT path FROM receipt_journal").fetchall()]
+    for path in paths:
+        rows = conn.execute(
+            "SELECT hash, line FROM receipt_journal WHERE path = ? ORDER BY seq", (path,)
+        ).fetchall()
+        try:
+            missing = _missing(Path(path), rows)
+            if missing is None:
+                continue  # logged; the rows stay for an operator to look at
+            if missing:
+                append_to(Path(path), b"".join(missing), fsync=True)
+                written += len(missing)
+        except OSError as exc:
+            logger.error("cannot complete receipts %s from the journal: %s", path, exc)
+            continue
+        conn.execute("DELETE FROM receipt_journal WHERE path = ?", (path,))
+    if written:
+        logger.warning("completed %d receipt line(s) from the store's journal", written)
+    return written
+
+
+def _missing(path: Path, rows: list[tuple[str, bytes]]) -> list[bytes] | None:
+    """The journaled lines the file lacks, in order; ``None`` if the file does
+    not continue the journal's chain."""
+    _cut_torn_tail(path)
+    head = last_hash(path)
+    hashes = [digest for digest, _ in rows]
+    if head in hashes:
+        return [line for _, line in rows[hashes.index(head) + 1 :]]
+    if json.loads(rows[0][1])["prev_hash"] == head:
+        return [line for _, line in rows]
+    logger.error(
+        "receipts %s end with a line the store's journal does not continue; "
+        "its %d journaled line(s) were left in the journal",
+        path,
+        len(rows),
+    )
+    return None
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Drop a last line a crash cut short (only journaled lines are unsynced)."""
+    try:
+        with path.open("r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            end = size
+            while end > 0:  # the last newline, read backwards a block at a time
+                start = max(0, end - 65536)
+                f.seek(start)
+                cut = f.read(end - start).rfind(b"\n")
+                if cut >= 0:
+                    end = start + cut + 1
+                    break
+                end = start
+            f.truncate(end)
+            logger.warning("cut a torn last line from %s", path)
+    except FileNotFoundError:
+        return

@@ -1,0 +1,249 @@
+"""Receipts journaled in the SQLite store (supervisor/stores/journal.py).
+
+A committed call and its receipt share one transaction (one fsync); the line
+reaches the file right after, and the journal is trimmed once the file is
+fsync'd. A crash between the commit and the file write (the
+``receipt_journaled`` crash point, a real SIGKILL) leaves the line only in
+the journal: the next start completes the file, also past a torn last line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.receipts import (
+    GENESIS_HASH,
+    JournaledReceipts,
+    make_receipt,
+    seal,
+    verify_chain,
+)
+from supervisor.stores import SQLiteEffectStore, StartCall
+from tests.harness import STEP_TIMEOUT_S
+
+GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
+
+
+def _receipt(call_id: str, outcome: str = "refused") -> dict[str, Any]:
+    now = time.time()
+    return make_receipt(
+        invocation_id="inv_j",
+        execution_id="exe_j",
+        plan_hash="p" * 64,
+        call_id=call_id,
+        tool="noop",
+        idempotency_key="k" * 64,
+        outcome=outcome,
+        error_code=None,
+        approval_id=None,
+        started_at=now,
+        finished_at=now,
+    )
+
+
+def _journal_rows(db: Path) -> list[tuple[str, str]]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT path, hash FROM receipt_journal ORDER BY seq").fetchall()
+
+
+def _call_ids(path: Path) -> list[str]:
+    return [json.loads(line)["call_id"] for line in path.read_text().splitlines()]
+
+
+async def test_a_commit_and_its_receipt_share_a_transaction_and_reach_the_file(
+    tmp_path: Path,
+) -> None:
+    db, path = tmp_path / "effects.db", tmp_path / "receipts" / "inv_j.jsonl"
+    store = SQLiteEffectStore(db)
+    await store.open()
+    try:
+        receipts = JournaledReceipts(path, store)
+        await store.open_invocation("inv_j", "p" * 64, None, time.time())
+        begun = await store.begin(StartCall("inv_j", "c1", "noop", "k" * 64, "exe_j", False), 1.0)
+        assert begun.won
+        executed = _receipt("c1", "executed")
+        await receipts.commit(store, "inv_j", "c1", {"status": "ok"}, 2.0, executed)
+        # Answered: the line is in the file already, and durable in the journal.
+        assert _call_ids(path) == ["c1"]
+        assert json.loads(path.read_text())["receipt_id"] == executed["receipt_id"]
+        record = await store.get("inv_j", "c1")
+        assert record is not None and record.response == {"status": "ok"}
+        for n in range(5):
+            await receipts.record(_receipt(f"r{n}"))
+        assert _call_ids(path) == ["c1", "r0", "r1", "r2", "r3", "r4"]
+    finally:
+        await store.close()
+    assert verify_chain(path) == (6, None)
+    assert _journal_rows(db) == []  # the file was fsync'd, the journal trimmed
+
+
+async def test_a_failed_commit_records_no_receipt_and_keeps_the_chain(tmp_path: Path) -> None:
+    db, path = tmp_path / "effects.db", tmp_path / "inv_j.jsonl"
+    store = SQLiteEffectStore(db)
+    await store.open()
+    try:
+        receipts = JournaledReceipts(path, store)
+        await receipts.record(_receipt("r0"))
+        with pytest.raises(TypeError):  # a response that is not JSON: the op fails
+            await receipts.commit(store, "inv_j", "c1", {"x": object()}, 2.0, _receipt("c1"))
+        await receipts.record(_receipt("r1"))
+    finally:
+        await store.close()
+    assert _call_ids(path) == ["r0", "r1"]
+    assert verify_chain(path) == (2, None)
+
+
+_CRASHING_WRITER = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from pathlib import Path
+    from supervisor.receipts import JournaledReceipts, make_receipt
+    from supervisor.stores import SQLiteEffectStore
+
+    async def main(db, path):
+        store = SQLiteEffectStore(Path(db))
+        await store.open()
+        receipts = JournaledReceipts(Path(path), store)
+        for n in range(5):  # HOSTCALL_FAULT kills us after the 3rd commit
+            now = time.time()
+            await receipts.record(make_receipt(
+                invocation_id="inv_j", execution_id="exe_j", plan_hash="p" * 64,
+                call_id=f"r{n}", tool="noop", idempotency_key=None, outcome="refused",
+                error_code="tool_not_allowed", approval_id=None, started_at=now, finished_at=now))
+        await store.close()
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+def _crash_after_third_journal_commit(db: Path, path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _CRASHING_WRITER, str(db), str(path)],
+        env={**os.environ, "HOSTCALL_FAULT": "receipt_journaled:3"},
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert _call_ids(path) == ["r0", "r1"]  # the 3rd line is only in the journal
+    assert len(_journal_rows(db)) == 3
+
+
+async def test_a_crash_between_commit_and_file_write_is_completed_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    db, path = tmp_path / "effects.db", tmp_path / "inv_j.jsonl"
+    _crash_after_third_journal_commit(db, path)
+    store = SQLiteEffectStore(db)
+    await store.open()
+    try:
+        await JournaledReceipts(path, store).record(_receipt("after"))
+    finally:
+        await store.close()
+    assert _call_ids(path) == ["r0", "r1", "r2", "after"]
+    assert verify_chain(path) == (4, None)
+    assert _journal_rows(db) == []
+
+
+async def test_a_torn_last_line_is_cut_and_rewritten_from_the_journal(tmp_path: Path) -> None:
+    db, path = tmp_path / "effects.db", tmp_path / "inv_j.jsonl"
+    _crash_after_third_journal_commit(db, path)
+    with path.open("ab") as f:
+        f.write(b'{"receipt_id":"rcpt_torn","invocation_')  # a write cut by the crash
+    store = SQLiteEffectStore(db)
+    await store.open()
+    await store.close()
+    assert _call_ids(path) == ["r0", "r1", "r2"]
+    assert verify_chain(path) == (3, None)
+
+
+async def test_a_file_that_does_not_continue_the_journal_is_left_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    db, path = tmp_path / "effects.db", tmp_path / "inv_j.jsonl"
+    _crash_after_third_journal_commit(db, path)
+    foreign, _ = seal(_receipt("x"), GENESIS_HASH)
+    path.write_bytes(foreign)  # someone replaced the file with another chain
+    store = SQLiteEffectStore(db)
+    await store.open()
+    await store.close()
+    assert _call_ids(path) == ["x"]  # nothing appended that would hide the break
+    assert len(_journal_rows(db)) == 3  # and nothing thrown away
+    assert "does not continue" in caplog.text
+
+
+PLAN = """
+[plan]
+name = "journal"
+
+[tools.charge]
+handler = "journal_tools:charge"
+"""
+TOOLS = """
+from supervisor import tool
+
+@tool(reversibility="irreversible")
+def charge(account: str) -> dict:
+    return {"charged": account}
+"""
+
+
+def test_hostcall_run_killed_after_a_commit_has_its_executed_receipt_after_resume(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "journal_tools.py").write_text(TOOLS)
+    (tmp_path / "plan.toml").write_text(PLAN)
+    state = tmp_path / "st"
+    calls = json.dumps([["c1", "charge", {"account": "a"}]])
+    command = [
+        *(sys.executable, "-m", "supervisor.cli", "run", "--state-dir", str(state)),
+        *("--plan", str(tmp_path / "plan.toml"), "--invocation", "inv_jr", "--"),
+        *(sys.executable, str(GUEST), "calls", calls),
+    ]
+    with subprocess.Popen(
+        command,
+        env={**os.environ, "HOSTCALL_FAULT": "receipt_journaled:1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as first:
+        assert first.stdout is not None
+        guest_pid = json.loads(first.stdout.readline())["pid"]
+        assert first.wait(timeout=STEP_TIMEOUT_S) == -signal.SIGKILL
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(guest_pid, signal.SIGKILL)  # the orphaned guest of the dead run
+    path = state / "receipts" / "inv_jr.jsonl"
+    assert not path.exists() or path.read_text() == ""  # the line never reached the file
+
+    second = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT_S * 2,
+        check=False,
+    )
+    assert second.returncode == 0, second.stderr
+    answer = json.loads(second.stdout.splitlines()[1])
+    assert answer == {"call_id": "c1", "result": {"charged": "a"}}  # replayed, not rerun
+    receipts = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["call_id"], r["outcome"]) for r in receipts] == [
+        ("c1", "executed"),  # completed from the journal at the second start
+        ("c1", "replayed"),
+    ]
+    assert receipts[0]["result_sha256"] == receipts[1]["result_sha256"]
+    assert verify_chain(path) == (2, None)
