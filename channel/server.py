@@ -76,6 +76,8 @@ class ChannelServer:
         self._origin_check = origin_check
         self._max_body = max_body
         self._runner: web.AppRunner | None = None
+        #: Requests being served right now (long polls included).
+        self.active_requests = 0
 
     def _app(self) -> web.Application:
         app = web.Application(middlewares=[self._boundary], client_max_size=self._max_body)
@@ -117,6 +119,7 @@ class ChannelServer:
     @web.middleware
     async def _boundary(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Turn every failure into the protocol's JSON answer."""
+        self.active_requests += 1
         try:
             response: web.StreamResponse = await handler(request)
         except Refusal as refusal:
@@ -140,6 +143,8 @@ class ChannelServer:
                 },
                 status=500,
             )
+        finally:
+            self.active_requests -= 1
         return response
 
     async def _identify(self, request: web.Request) -> ExecutionPort:

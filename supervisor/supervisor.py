@@ -160,6 +160,11 @@ class Supervisor:
                 max_body=self._max_body,
             )
             await self._channel.start()
+            if isinstance(self._store, SQLiteEffectStore):
+                # A request alone has nothing to share a transaction with:
+                # run its store operations without the hop to the writer.
+                channel = self._channel
+                self._store.inline_when = lambda: channel.active_requests <= 1
             self._admin = AdminServer(self, self.state.path / "admin.sock")
             await self._admin.start()
         except BaseException:

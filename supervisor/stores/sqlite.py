@@ -3,7 +3,10 @@
 All statements run on one writer thread that owns the connection. Operations
 queued while a transaction is being written share the next one (group
 commit): each runs inside its own SAVEPOINT, so one failing operation does not
-undo its neighbours, and the batch costs one fsync. ``synchronous=FULL``: when
+undo its neighbours, and the batch costs one fsync. When nothing could share a
+transaction (:attr:`SQLiteEffectStore.inline_when` says the caller's request is
+the only one, and the writer is idle), the operation runs on the caller's
+thread instead: no hand-off to the writer and back. ``synchronous=FULL``: when
 ``begin`` returns, its ``pending`` row is on disk. Receipts are journaled in the
 same transactions (:mod:`supervisor.stores.journal`): a committed call and its
 receipt share one fsync.
@@ -20,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 from supervisor.errors import StoreUnavailable
 from supervisor.plan import BudgetLimits
@@ -167,6 +170,14 @@ class SQLiteEffectStore:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._journal = ReceiptJournal()
+        self._conn: sqlite3.Connection | None = None
+        #: Held while a transaction or checkpoint uses the connection.
+        self._busy = threading.Lock()
+        #: When set and true, an operation that finds the writer idle runs on
+        #: the event loop's thread: one request alone has nothing to share a
+        #: transaction with. The supervisor sets it to "the channel serves
+        #: one request at most"; under load every operation goes to the writer.
+        self.inline_when: Callable[[], bool] | None = None
 
     # -- the writer thread ------------------------------------------------
 
@@ -216,27 +227,36 @@ class SQLiteEffectStore:
                         self._queue.put(None)  # stop after this batch
                         break
                     batch.append(item)
-                self._run_batch(conn, batch)
+                with self._busy:
+                    outcomes = self._execute(conn, [op for op, _ in batch])
+                settled = [
+                    (future, *outcome) for (_, future), outcome in zip(batch, outcomes, strict=True)
+                ]
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(_settle, settled)
                 if self._journal.unsynced >= CHECKPOINT_ROWS:
                     self._checkpoint(conn)
         finally:
             conn.close()
 
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
-        if not self._journal.unsynced:
-            return
-        try:
-            self._journal.checkpoint(conn)
-        except sqlite3.Error as exc:  # the rows stay; the next checkpoint or start retries
-            logger.error("effect store %s: cannot trim the receipt journal: %s", self.path, exc)
+        with self._busy:
+            if not self._journal.unsynced:
+                return
+            try:
+                self._journal.checkpoint(conn)
+            except sqlite3.Error as exc:  # the rows stay; the next checkpoint or start retries
+                logger.error("effect store %s: cannot trim the receipt journal: %s", self.path, exc)
 
-    def _run_batch(
-        self, conn: sqlite3.Connection, batch: list[tuple[_Op, asyncio.Future[Any]]]
-    ) -> None:
-        outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+    def _execute(
+        self, conn: sqlite3.Connection, ops: list[_Op]
+    ) -> list[tuple[Any, BaseException | None]]:
+        """Run ``ops`` in one transaction, each in its own savepoint; the
+        caller holds ``_busy``. Returns each op's result or error."""
+        outcomes: list[tuple[Any, BaseException | None]] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
-            for op, future in batch:
+            for op in ops:
                 conn.execute("SAVEPOINT op")
                 try:
                     result = op(conn)
@@ -244,28 +264,44 @@ class SQLiteEffectStore:
                     self._journal.end_op(kept=False)
                     conn.execute("ROLLBACK TO op")
                     conn.execute("RELEASE op")
-                    outcomes.append((future, None, exc))
+                    outcomes.append((None, exc))
                 else:
                     conn.execute("RELEASE op")
                     self._journal.end_op(kept=True)
-                    outcomes.append((future, result, None))
+                    outcomes.append((result, None))
             conn.execute("COMMIT")  # one fsync for the whole batch
         except sqlite3.Error as exc:
             self._journal.end_op(kept=False)
             self._journal.end_batch(committed=False)
             if conn.in_transaction:
                 conn.rollback()
-            outcomes = [(future, None, exc) for _, future in batch]
+            outcomes = [(None, exc) for _ in ops]
         else:
             self._journal.end_batch(committed=True)  # the lines go to their files
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(_settle, outcomes)
+        return outcomes
 
     async def _run(self, op: Callable[[sqlite3.Connection], T]) -> T:
         if self._thread is None or self._loop is None:
             raise RuntimeError("SQLiteEffectStore used before open() or after close()")
         if not self._thread.is_alive():
             raise StoreUnavailable(f"effect store {self.path}: its writer thread has stopped")
+        inline = self.inline_when
+        if (
+            inline is not None
+            and self._queue.empty()
+            and inline()
+            and self._busy.acquire(blocking=False)
+        ):
+            try:
+                assert self._conn is not None
+                [(result, error)] = self._execute(self._conn, [op])
+            finally:
+                self._busy.release()
+            if isinstance(error, sqlite3.Error):
+                raise StoreUnavailable(f"effect store {self.path}: {error}") from error
+            if error is not None:
+                raise error
+            return cast(T, result)
         future: asyncio.Future[T] = self._loop.create_future()
         self._queue.put((op, future))
         try:
@@ -283,6 +319,7 @@ class SQLiteEffectStore:
         except (sqlite3.Error, OSError) as exc:  # OSError: the folder cannot be made
             raise StoreUnavailable(f"cannot open effect store {self.path}: {exc}") from exc
         self._loop = asyncio.get_running_loop()
+        self._conn = conn
         self._thread = threading.Thread(
             target=self._serve, args=(conn,), name="hostcall-sqlite", daemon=True
         )

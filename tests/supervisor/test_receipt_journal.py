@@ -10,6 +10,7 @@ the journal: the next start completes the file, also past a torn last line.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -62,11 +63,15 @@ def _call_ids(path: Path) -> list[str]:
     return [json.loads(line)["call_id"] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["writer", "inline-mixed"])
 async def test_a_commit_and_its_receipt_share_a_transaction_and_reach_the_file(
-    tmp_path: Path,
+    tmp_path: Path, inline: bool
 ) -> None:
     db, path = tmp_path / "effects.db", tmp_path / "receipts" / "inv_j.jsonl"
     store = SQLiteEffectStore(db)
+    if inline:  # every other operation on this thread, as with one request alone
+        turns = itertools.cycle((True, False))
+        store.inline_when = lambda: next(turns)
     await store.open()
     try:
         receipts = JournaledReceipts(path, store)

@@ -17,6 +17,7 @@ group commit that isolates a failing operation, and driver errors as
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -112,6 +113,20 @@ class SQLiteBackend(Backend):
         return SQLiteEffectStore(self.tmp_path / "effects.db")
 
 
+class SQLiteMixedBackend(SQLiteBackend):
+    """SQLite with every other operation run inline, on the caller's thread
+    (what the supervisor does when one request is all it serves), the rest
+    by the writer thread: the two paths interleave on one connection."""
+
+    name = "sqlite-mixed"
+
+    def make(self) -> EffectStore:
+        store = SQLiteEffectStore(self.tmp_path / "effects.db")
+        turns = itertools.cycle((True, False))
+        store.inline_when = lambda: next(turns)
+        return store
+
+
 class PostgresBackend(Backend):
     name = "postgres"
     shared = True
@@ -133,7 +148,7 @@ class PostgresBackend(Backend):
 
 
 _POSTGRES = pytest.param(PostgresBackend, marks=pytest.mark.postgres, id="postgres")
-BACKENDS: list[Any] = [MemoryBackend, SQLiteBackend, _POSTGRES]
+BACKENDS: list[Any] = [MemoryBackend, SQLiteBackend, SQLiteMixedBackend, _POSTGRES]
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda kind: kind.name)
@@ -147,7 +162,7 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 
 
 # Backends whose instances share their records (several processes or hosts).
-SHARED_BACKENDS: list[Any] = [SQLiteBackend, _POSTGRES]
+SHARED_BACKENDS: list[Any] = [SQLiteBackend, SQLiteMixedBackend, _POSTGRES]
 
 
 @pytest.fixture(params=SHARED_BACKENDS, ids=lambda kind: kind.name)
