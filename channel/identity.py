@@ -81,7 +81,10 @@ def check_origin(sock: Any, execution: ExecutionPort) -> None:
     """
     guest_pid = execution.guest_pid
     try:
-        peer = peer_credentials(sock)
+        peer = peer_credentials(sock, pidfd=False)
+        if peer.pid != guest_pid:
+            # Not the guest itself (our unreaped child): pin the process we inspect.
+            peer = peer_credentials(sock)
     except OSError:
         raise Refusal("origin_denied", "the peer process could not be identified") from None
     try:

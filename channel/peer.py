@@ -34,19 +34,20 @@ class PeerCredentials:
     pidfd: int | None
 
 
-def peer_credentials(sock: Any) -> PeerCredentials:
+def peer_credentials(sock: Any, *, pidfd: bool = True) -> PeerCredentials:
     """Read the peer's credentials from a connected Unix socket.
 
-    The caller owns the returned ``pidfd`` and must close it.
+    With ``pidfd`` the caller owns the returned ``pidfd`` and must close it.
     """
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
-    pidfd: int | None
-    try:
-        pidfd = int(sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD))
-    except OSError:
-        pidfd = None  # an older kernel: pid + start-time check only
-    return PeerCredentials(pid=pid, uid=uid, gid=gid, pidfd=pidfd)
+    fd: int | None = None
+    if pidfd:
+        try:
+            fd = int(sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD))
+        except OSError:
+            fd = None  # an older kernel: pid + start-time check only
+    return PeerCredentials(pid=pid, uid=uid, gid=gid, pidfd=fd)
 
 
 def _still_alive(pidfd: int) -> bool:

@@ -162,16 +162,18 @@ class ChannelServer:
         length = request.content_length
         if length is not None and length > self._max_body:
             raise Refusal("payload_too_large", f"body is over {self._max_body} bytes")
-        body = bytearray()
         try:
+            if length is not None:  # the common case: one read of a known size
+                return await request.content.readexactly(length)
+            body = bytearray()
             async for chunk in request.content.iter_any():
                 body += chunk
                 if len(body) > self._max_body:
                     raise Refusal("payload_too_large", f"body is over {self._max_body} bytes")
-        except (ConnectionResetError, HttpProcessingError) as exc:
+            return bytes(body)
+        except (ConnectionResetError, HttpProcessingError, asyncio.IncompleteReadError) as exc:
             # The guest hung up (or broke the framing) mid-body: its fault, not ours.
             raise Refusal("bad_request", f"the request body did not arrive whole: {exc}") from None
-        return bytes(body)
 
     async def _post_call(self, request: web.Request) -> web.StreamResponse:
         execution = await self._identify(request)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
@@ -167,7 +167,25 @@ class CallReply:
 
     def as_replayed(self) -> CallReply:
         """The same stored reply, marked as replayed (nothing ran now)."""
-        return replace(self, effect="replayed")
+        return self._with(effect="replayed", receipt_id=self.receipt_id)
+
+    def with_receipt(self, receipt_id: str) -> CallReply:
+        """The same reply, naming this request's receipt."""
+        return self._with(effect=self.effect, receipt_id=receipt_id)
+
+    def _with(self, *, effect: Effect, receipt_id: str | None) -> CallReply:
+        # Positional and explicit: dataclasses.replace showed in the hot path.
+        return CallReply(
+            self.status,
+            self.call_id,
+            effect,
+            self.tool,
+            self.result,
+            self.idempotency_key,
+            receipt_id,
+            self.reason,
+            self.error,
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The JSON body. ``result`` appears on ``ok`` only, ``error`` on failures."""

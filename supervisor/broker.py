@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Set
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ValidationError
@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 #: How often a long-poll re-reads a pending record that another process owns.
 POLL_INTERVAL_S: Final = 0.05
+#: The metrics label of calls to a tool the plan does not have.
+NOT_IN_PLAN: Final = "(not in plan)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +130,9 @@ class Broker:
             await self.receipts.record(receipt)
             receipt_id = receipt["receipt_id"]
         if self.metrics is not None:
-            self.metrics.observe(tool, outcome.receipt_outcome, self.clock() - started_at)
+            # A name the guest made up is not a label: labels must stay few.
+            label = tool if tool in self.plan.tools else NOT_IN_PLAN
+            self.metrics.observe(label, outcome.receipt_outcome, self.clock() - started_at)
         if outcome.reply.status in ("ok", "error") and outcome.reply.effect != "failed":
             # The reply carries this request's own receipt, replayed or not.
             return _with_receipt(outcome.reply, receipt_id)
@@ -567,7 +571,7 @@ def _not_found(call_id: str) -> CallReply:
 
 
 def _with_receipt(reply: CallReply, receipt_id: str) -> CallReply:
-    return replace(reply, receipt_id=receipt_id)
+    return reply.with_receipt(receipt_id)
 
 
 async def _wait(future: asyncio.Future[Any], deadline: float) -> bool:

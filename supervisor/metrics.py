@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -42,6 +42,8 @@ class Metrics:
 
     def __init__(self, proposals_waiting: Callable[[], int]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._calls_by: dict[tuple[str, str], Any] = {}
+        self._latency_by: dict[str, Any] = {}
         self.calls = Counter(
             "hostcall_calls",
             "Calls that reached a broker, by tool and outcome (receipt outcomes).",
@@ -69,8 +71,14 @@ class Metrics:
 
     def observe(self, tool: str, outcome: str, seconds: float) -> None:
         """Count one call that reached a broker."""
-        self.calls.labels(tool=tool, outcome=outcome).inc()
-        self.latency.labels(tool=tool).observe(seconds)
+        counter = self._calls_by.get((tool, outcome))
+        if counter is None:  # label lookups are not free: once per pair
+            counter = self._calls_by[tool, outcome] = self.calls.labels(tool=tool, outcome=outcome)
+        histogram = self._latency_by.get(tool)
+        if histogram is None:
+            histogram = self._latency_by[tool] = self.latency.labels(tool=tool)
+        counter.inc()
+        histogram.observe(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

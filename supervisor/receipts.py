@@ -18,6 +18,7 @@ import datetime
 import json
 import logging
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -182,6 +183,7 @@ class ReceiptLog:
         self._prev_hash: str | None = None
         self._queue: list[tuple[bytes, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._fd: int | None = None  # kept open when not fsyncing
 
     async def append(self, **fields: Any) -> str:
         """Chain and durably write one receipt (fields of :func:`make_receipt`);
@@ -235,11 +237,15 @@ class ReceiptLog:
             self._flusher = None
 
     def _write(self, data: bytes) -> None:
+        if self._fsync:
+            append_to(self.path, data, fsync=True)
+            return
         try:
-            append_to(self.path, data, fsync=self._fsync)
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                weakref.finalize(self, os.close, self._fd)
+            _write_all(self._fd, data)
         except OSError as exc:
-            if self._fsync:
-                raise
             _cannot_write(self.path, exc)
 
 
@@ -247,13 +253,17 @@ def append_to(path: Path, data: bytes, *, fsync: bool) -> None:
     """Append ``data`` to ``path`` (created ``0600``), all of it, then fsync."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        _write_all(fd, data)
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _cannot_write(path: Path, exc: OSError) -> None:

@@ -349,22 +349,26 @@ class TreeTracker:
         while self._trees:
             busy = len(self._trees) > BUSY_TREES
             await asyncio.sleep(max(self.interval_s, BUSY_SAMPLE_INTERVAL_S if busy else 0.0))
-            children_of = process_map()  # one pass over /proc for every tree
-            me = os.getpid()
-            adopted = []
-            for pid in children_of.get(me, ()):
+            self.sample_all()
+
+    def sample_all(self) -> None:
+        """One pass over ``/proc`` for every tree: adopt orphans, measure, check limits."""
+        children_of = process_map()
+        me = os.getpid()
+        adopted = []
+        for pid in children_of.get(me, ()):
+            with contextlib.suppress(psutil.Error):
+                child = psutil.Process(pid)
+                if _is_adopted(child):
+                    adopted.append(child)
+        for tree in list(self._trees.values()):
+            for orphan in self.orphans_of(tree, adopted):
                 with contextlib.suppress(psutil.Error):
-                    child = psutil.Process(pid)
-                    if _is_adopted(child):
-                        adopted.append(child)
-            for tree in list(self._trees.values()):
-                for orphan in self.orphans_of(tree, adopted):
-                    with contextlib.suppress(psutil.Error):
-                        tree.seen.setdefault(_key(orphan), orphan)
-                try:
-                    tree.sample(children_of)
-                except Exception:  # boundary: one odd process must not stop the sampler
-                    logger.exception("sampling the tree of %s failed", tree.execution_id)
+                    tree.seen.setdefault(_key(orphan), orphan)
+            try:
+                tree.sample(children_of)
+            except Exception:  # boundary: one odd process must not stop the sampler
+                logger.exception("sampling the tree of %s failed", tree.execution_id)
 
     async def close(self) -> None:
         """Stop the sampler."""

@@ -254,19 +254,26 @@ class SQLiteEffectStore:
         """Run ``ops`` in one transaction, each in its own savepoint; the
         caller holds ``_busy``. Returns each op's result or error."""
         outcomes: list[tuple[Any, BaseException | None]] = []
+        alone = len(ops) == 1  # no neighbours to protect: no savepoint
         try:
             conn.execute("BEGIN IMMEDIATE")
             for op in ops:
-                conn.execute("SAVEPOINT op")
+                if not alone:
+                    conn.execute("SAVEPOINT op")
                 try:
                     result = op(conn)
                 except Exception as exc:  # boundary: the thread must outlive any one op
                     self._journal.end_op(kept=False)
+                    if alone:
+                        conn.rollback()
+                        self._journal.end_batch(committed=False)
+                        return [(None, exc)]
                     conn.execute("ROLLBACK TO op")
                     conn.execute("RELEASE op")
                     outcomes.append((None, exc))
                 else:
-                    conn.execute("RELEASE op")
+                    if not alone:
+                        conn.execute("RELEASE op")
                     self._journal.end_op(kept=True)
                     outcomes.append((result, None))
             conn.execute("COMMIT")  # one fsync for the whole batch
@@ -451,9 +458,20 @@ class SQLiteEffectStore:
                 # Cannot happen under BEGIN IMMEDIATE; if it did, the savepoint
                 # rolls the charge back and the call is refused, not run.
                 raise sqlite3.IntegrityError("begin lost a race it cannot lose")
-            record = _get_effect(conn, start.invocation_id, start.call_id)
-            assert record is not None
-            return Begun(True, record)
+            return Begun(
+                True,
+                EffectRecord(
+                    start.invocation_id,
+                    start.call_id,
+                    start.tool,
+                    start.idempotency_key,
+                    EffectStatus.PENDING,
+                    start.execution_id,
+                    None,
+                    existing.created_at if existing is not None else now,
+                    now,
+                ),
+            )
 
         return await self._run(op)
 
