@@ -91,6 +91,10 @@ class GuestTree:
     violation: EndReason | None = None
     #: When the guest started (psutil's clock): orphans born earlier are not its.
     started_at: float = 0.0
+    #: pid -> (start time in clock ticks, key in ``seen``) of the live members:
+    #: lets a sample recognise known processes from one read of their stat.
+    _ident: dict[int, tuple[int, _Key]] = field(default_factory=dict)
+    _indexed: set[_Key] = field(default_factory=set)
 
     @property
     def cpu_s(self) -> float:
@@ -123,32 +127,64 @@ class GuestTree:
             return [p for p in found.values() if _exists(p)]
         return [p for p in found.values() if _running(p)]
 
-    def sample(self, children_of: dict[int, list[int]] | None = None) -> None:
-        """Measure the tree once and check the limits."""
-        members = []
-        for process in self.members(children_of, zombies=True):
-            with contextlib.suppress(psutil.Error):
-                self.seen.setdefault(_key(process), process)
-                if process.status() != psutil.STATUS_ZOMBIE:
-                    members.append(process)
+    def sample(self, snapshot: dict[int, ProcStat], children_of: dict[int, list[int]]) -> None:
+        """Measure the tree once from one :func:`proc_snapshot` and check the limits.
+
+        A process already known costs nothing beyond its line in the snapshot;
+        psutil is asked once per new process (for its key in ``seen``)."""
+        self._index_seen(snapshot)
+        found: dict[int, ProcStat] = {}
+        root = snapshot.get(self.root_pid)
+        if root is not None:
+            found[self.root_pid] = root
+        for pid, (start, _) in list(self._ident.items()):
+            stat = snapshot.get(pid)
+            if stat is None or stat.start != start:
+                del self._ident[pid]  # gone; its pid may be someone else's now
+            else:
+                found.setdefault(pid, stat)
+        stack = list(found)
+        while stack:
+            for child in children_of.get(stack.pop(), ()):
+                if child not in found:
+                    found[child] = snapshot[child]
+                    stack.append(child)
         rss = 0
         open_files = 0
-        for process in members:
-            key = _key(process)
-            try:
-                with process.oneshot():
-                    times = process.cpu_times()
-                    rss += process.memory_info().rss
-                    if self.limits.max_open_files is not None:
-                        open_files += process.num_fds()
-            except psutil.Error:
-                continue
-            total = times.user + times.system + times.children_user + times.children_system
-            self.cpu_by_process[key] = max(total, self.cpu_by_process.get(key, 0.0))
+        processes = 0
+        for pid, stat in found.items():
+            known = self._ident.get(pid)
+            if known is None or known[0] != stat.start:
+                try:
+                    process = psutil.Process(pid)
+                    key = _key(process)
+                except psutil.Error:
+                    continue  # exited since the snapshot
+                self.seen.setdefault(key, process)
+                self._indexed.add(key)
+                self._ident[pid] = known = (stat.start, key)
+            if stat.zombie:
+                continue  # remembered (ours to reap), not measured
+            processes += 1
+            rss += stat.rss_bytes
+            key = known[1]
+            self.cpu_by_process[key] = max(stat.cpu_s, self.cpu_by_process.get(key, 0.0))
+            if self.limits.max_open_files is not None:
+                with contextlib.suppress(OSError):
+                    open_files += len(os.listdir(f"/proc/{pid}/fd"))
         self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
-        self.peak_processes = max(self.peak_processes, len(members))
+        self.peak_processes = max(self.peak_processes, processes)
         self.peak_open_files = max(self.peak_open_files, open_files)
-        self._check(rss, len(members), open_files)
+        self._check(rss, processes, open_files)
+
+    def _index_seen(self, snapshot: dict[int, ProcStat]) -> None:
+        """Processes put in ``seen`` from outside a sample (adopted orphans,
+        the stop path): find their line in the snapshot, once."""
+        for key in self.seen.keys() - self._indexed:
+            self._indexed.add(key)
+            stat = snapshot.get(key[0])
+            if stat is not None and _exists(self.seen[key]):  # the same process, not a reused pid
+                self._ident.setdefault(key[0], (stat.start, key))
 
     def _check(self, rss: int, processes: int, open_files: int) -> None:
         if self.violation is not None:
@@ -236,13 +272,61 @@ def _adopted_children() -> list[psutil.Process]:
 _guest_roots: set[int] = set()
 
 
-def process_map() -> dict[int, list[int]]:
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    """One process, from one read of ``/proc/<pid>/stat``."""
+
+    ppid: int
+    zombie: bool
+    #: CPU seconds, user + system, its own and its reaped children's.
+    cpu_s: float
+    #: Start time in clock ticks after boot: with the pid, names one process.
+    start: int
+    rss_bytes: int
+
+
+_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
+_PAGE_SIZE: Final = os.sysconf("SC_PAGE_SIZE")
+
+
+def proc_snapshot() -> dict[int, ProcStat]:
+    """Every process on the machine, one small read each (no psutil objects)."""
+    snapshot: dict[int, ProcStat] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            # "pid (comm) state ppid …": comm may hold spaces and parentheses.
+            raw = _read(f"/proc/{name}/stat")
+            fields = raw[raw.rindex(b")") + 2 :].split()
+            zombie = fields[0] in (b"Z", b"X")
+            # RSS as psutil reads it: statm is exact where stat's may lag.
+            rss_pages = 0 if zombie else int(_read(f"/proc/{name}/statm").split()[1])
+            snapshot[int(name)] = ProcStat(
+                ppid=int(fields[1]),
+                zombie=zombie,
+                cpu_s=sum(int(v) for v in fields[11:15]) / _CLOCK_TICKS,
+                start=int(fields[19]),
+                rss_bytes=rss_pages * _PAGE_SIZE,
+            )
+        except (OSError, ValueError, IndexError):
+            continue  # exited while we looked
+    return snapshot
+
+
+def _read(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
+
+
+def process_map(snapshot: dict[int, ProcStat] | None = None) -> dict[int, list[int]]:
     """Every process's children, from one pass over ``/proc``."""
     children_of: dict[int, list[int]] = {}
-    for process in psutil.process_iter(["ppid"]):
-        ppid = process.info["ppid"]
-        if ppid is not None:
-            children_of.setdefault(ppid, []).append(process.pid)
+    for pid, stat in (proc_snapshot() if snapshot is None else snapshot).items():
+        children_of.setdefault(stat.ppid, []).append(pid)
     return children_of
 
 
@@ -353,20 +437,24 @@ class TreeTracker:
 
     def sample_all(self) -> None:
         """One pass over ``/proc`` for every tree: adopt orphans, measure, check limits."""
-        children_of = process_map()
-        me = os.getpid()
+        snapshot = proc_snapshot()
+        children_of = process_map(snapshot)
         adopted = []
-        for pid in children_of.get(me, ()):
-            with contextlib.suppress(psutil.Error):
-                child = psutil.Process(pid)
-                if _is_adopted(child):
-                    adopted.append(child)
+        own_session = os.getsid(0)
+        for pid in children_of.get(os.getpid(), ()):
+            if pid in _guest_roots:
+                continue  # a guest we launched, not an orphan
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getsid(pid) != own_session:
+                    child = psutil.Process(pid)
+                    if _is_adopted(child):
+                        adopted.append(child)
         for tree in list(self._trees.values()):
             for orphan in self.orphans_of(tree, adopted):
                 with contextlib.suppress(psutil.Error):
                     tree.seen.setdefault(_key(orphan), orphan)
             try:
-                tree.sample(children_of)
+                tree.sample(snapshot, children_of)
             except Exception:  # boundary: one odd process must not stop the sampler
                 logger.exception("sampling the tree of %s failed", tree.execution_id)
 
