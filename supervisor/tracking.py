@@ -165,8 +165,9 @@ class GuestTree:
                 self._ident[pid] = known = (stat.start, key)
             if stat.zombie:
                 continue  # remembered (ours to reap), not measured
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                rss += rss_bytes(pid)
             processes += 1
-            rss += stat.rss_bytes
             key = known[1]
             self.cpu_by_process[key] = max(stat.cpu_s, self.cpu_by_process.get(key, 0.0))
             if self.limits.max_open_files is not None:
@@ -282,7 +283,6 @@ class ProcStat:
     cpu_s: float
     #: Start time in clock ticks after boot: with the pid, names one process.
     start: int
-    rss_bytes: int
 
 
 _CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
@@ -299,19 +299,24 @@ def proc_snapshot() -> dict[int, ProcStat]:
             # "pid (comm) state ppid …": comm may hold spaces and parentheses.
             raw = _read(f"/proc/{name}/stat")
             fields = raw[raw.rindex(b")") + 2 :].split()
-            zombie = fields[0] in (b"Z", b"X")
-            # RSS as psutil reads it: statm is exact where stat's may lag.
-            rss_pages = 0 if zombie else int(_read(f"/proc/{name}/statm").split()[1])
             snapshot[int(name)] = ProcStat(
                 ppid=int(fields[1]),
-                zombie=zombie,
+                zombie=fields[0] in (b"Z", b"X"),
                 cpu_s=sum(int(v) for v in fields[11:15]) / _CLOCK_TICKS,
                 start=int(fields[19]),
-                rss_bytes=rss_pages * _PAGE_SIZE,
             )
         except (OSError, ValueError, IndexError):
             continue  # exited while we looked
     return snapshot
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory as psutil reads it (``statm``: exact where ``stat``'s may lag).
+
+    Raises:
+        OSError: the process is gone.
+    """
+    return int(_read(f"/proc/{pid}/statm").split()[1]) * _PAGE_SIZE
 
 
 def _read(path: str) -> bytes:

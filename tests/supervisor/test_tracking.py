@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 
 from supervisor.limits import Limits
-from supervisor.tracking import TreeTracker, proc_snapshot
+from supervisor.tracking import TreeTracker, proc_snapshot, rss_bytes
 from tests.harness import STEP_TIMEOUT_S, wait_until
 
 
@@ -34,7 +34,7 @@ async def test_a_snapshot_reads_what_psutil_reads_also_for_an_odd_command_name(
         assert abs(created - process.create_time()) < 0.05
         # Both read the same kernel counter; the child may still be starting up.
         await wait_until(
-            lambda: proc_snapshot()[child.pid].rss_bytes == process.memory_info().rss,
+            lambda: rss_bytes(child.pid) == process.memory_info().rss,
             "the same RSS as psutil",
         )
 
