@@ -1,20 +1,23 @@
 """The default effect store: one SQLite database in WAL mode (SPEC §6).
 
-All statements run on one writer thread that owns the connection. Operations
-queued while a transaction is being written share the next one (group
-commit): each runs inside its own SAVEPOINT, so one failing operation does not
-undo its neighbours, and the batch costs one fsync. When nothing could share a
-transaction (:attr:`SQLiteEffectStore.inline_when` says the caller's request is
-the only one, and the writer is idle), the operation runs on the caller's
-thread instead: no hand-off to the writer and back. ``synchronous=FULL``: when
-``begin`` returns, its ``pending`` row is on disk. Receipts are journaled in the
-same transactions (:mod:`supervisor.stores.journal`): a committed call and its
-receipt share one fsync.
+One connection, used by one thread at a time. Operations queued while a
+transaction is being committed share the next one (group commit): their
+statements run on the event loop's thread, each inside its own SAVEPOINT so one
+failing operation does not undo its neighbours, and the ``COMMIT`` with its
+fsync runs on a writer thread while the loop keeps serving. The writer touches
+no Python-heavy work, so the two threads do not trade the GIL per statement.
+When nothing could share a transaction (:attr:`SQLiteEffectStore.inline_when`
+says the caller's request is the only one) the commit runs on the loop too: no
+hand-off to the writer and back. ``synchronous=FULL``: when ``begin`` returns,
+its ``pending`` row is on disk. Receipts are journaled in the same transactions
+(:mod:`supervisor.stores.journal`): a committed call and its receipt share one
+fsync.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -109,6 +112,12 @@ _EFFECT_COLUMNS: Final = (
 )
 
 _Op = Callable[[sqlite3.Connection], Any]
+_Outcome = tuple[Any, BaseException | None]  # an op's result, or its error
+_Settled = tuple["asyncio.Future[Any]", Any, BaseException | None]
+#: How soon a batch tries again while the writer holds the connection for a checkpoint.
+_BUSY_RETRY_S: Final = 0.001
+#: Bound on close() waiting for queued ops.
+CLOSE_DRAIN_S: Final = 30.0
 
 
 def _effect(row: tuple[Any, ...] | None) -> EffectRecord | None:
@@ -166,11 +175,18 @@ class SQLiteEffectStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._queue: queue.SimpleQueue[tuple[_Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
+        #: Batches to commit (their futures and outcomes); None stops the writer.
+        self._queue: queue.SimpleQueue[tuple[list[asyncio.Future[Any]], list[_Outcome]] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._journal = ReceiptJournal()
         self._conn: sqlite3.Connection | None = None
+        self._pending: list[tuple[_Op, asyncio.Future[Any]]] = []
+        self._committing = False  # a batch's COMMIT is on the writer thread
+        self._scheduled = False  # _start_batch is due on the loop
+        self._idle = asyncio.Event()
         #: Held while a transaction or checkpoint uses the connection.
         self._busy = threading.Lock()
         #: When set and true, an operation that finds the writer idle runs on
@@ -206,54 +222,60 @@ class SQLiteEffectStore:
         raise AssertionError("unreachable")
 
     def _serve(self, conn: sqlite3.Connection) -> None:
+        """The writer thread: commits (the fsync) and checkpoints, nothing else."""
         try:
             while True:
                 idle_s = CHECKPOINT_IDLE_S if self._journal.unsynced else None
                 try:
-                    first = self._queue.get(timeout=idle_s)
+                    job = self._queue.get(timeout=idle_s)
                 except queue.Empty:
                     self._checkpoint(conn)  # idle: make the receipt files durable
                     continue
-                if first is None:
+                if job is None:
                     self._checkpoint(conn)
                     return
-                batch = [first]
-                while len(batch) < MAX_BATCH:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        self._queue.put(None)  # stop after this batch
-                        break
-                    batch.append(item)
-                with self._busy:
-                    outcomes = self._execute(conn, [op for op, _ in batch])
-                settled = [
-                    (future, *outcome) for (_, future), outcome in zip(batch, outcomes, strict=True)
-                ]
+                # _busy was taken on the loop by _start_batch; _committed, back
+                # on the loop, releases it (no race with the next batch there).
+                futures, outcomes = job
                 assert self._loop is not None
-                self._loop.call_soon_threadsafe(_settle, settled)
-                if self._journal.unsynced >= CHECKPOINT_ROWS:
-                    self._checkpoint(conn)
+                try:
+                    outcomes = self._finish_batch(conn, outcomes)
+                    if self._journal.unsynced >= CHECKPOINT_ROWS:
+                        self._trim(conn)  # once per CHECKPOINT_ROWS lines: this batch waits
+                except BaseException as exc:  # a bug: fail the batch, not hang it
+                    failed = sqlite3.DatabaseError(f"the writer thread failed: {exc!r}")
+                    outcomes = [(None, failed) for _ in futures]
+                    raise
+                finally:
+                    settled = [(f, *o) for f, o in zip(futures, outcomes, strict=True)]
+                    self._loop.call_soon_threadsafe(self._committed, settled)
         finally:
             conn.close()
 
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
-        with self._busy:
-            if not self._journal.unsynced:
-                return
+        """When idle: trim the journal unless a batch holds the connection
+        (its commit trims it when due; the next idle moment retries)."""
+        if self._busy.acquire(blocking=False):
             try:
-                self._journal.checkpoint(conn)
-            except sqlite3.Error as exc:  # the rows stay; the next checkpoint or start retries
-                logger.error("effect store %s: cannot trim the receipt journal: %s", self.path, exc)
+                self._trim(conn)
+            finally:
+                self._busy.release()
 
-    def _execute(
-        self, conn: sqlite3.Connection, ops: list[_Op]
-    ) -> list[tuple[Any, BaseException | None]]:
-        """Run ``ops`` in one transaction, each in its own savepoint; the
-        caller holds ``_busy``. Returns each op's result or error."""
-        outcomes: list[tuple[Any, BaseException | None]] = []
+    def _trim(self, conn: sqlite3.Connection) -> None:
+        if not self._journal.unsynced:
+            return
+        try:
+            self._journal.checkpoint(conn)
+        except sqlite3.Error as exc:  # the rows stay; the next checkpoint or start retries
+            logger.error("effect store %s: cannot trim the receipt journal: %s", self.path, exc)
+
+    # -- transactions (the caller holds _busy) --------------------------------
+
+    def _begin_batch(self, conn: sqlite3.Connection, ops: list[_Op]) -> tuple[list[_Outcome], bool]:
+        """``BEGIN`` and run ``ops``, each in its own savepoint when there are
+        several, so one failing op does not undo its neighbours. Returns each
+        op's result or error, and whether a transaction is open to commit."""
+        outcomes: list[_Outcome] = []
         alone = len(ops) == 1  # no neighbours to protect: no savepoint
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -262,12 +284,11 @@ class SQLiteEffectStore:
                     conn.execute("SAVEPOINT op")
                 try:
                     result = op(conn)
-                except Exception as exc:  # boundary: the thread must outlive any one op
-                    self._journal.end_op(kept=False)
+                except Exception as exc:  # boundary: the store must outlive any one op
                     if alone:
-                        conn.rollback()
-                        self._journal.end_batch(committed=False)
-                        return [(None, exc)]
+                        self._abort(conn)
+                        return [(None, exc)], False
+                    self._journal.end_op(kept=False)
                     conn.execute("ROLLBACK TO op")
                     conn.execute("RELEASE op")
                     outcomes.append((None, exc))
@@ -276,18 +297,41 @@ class SQLiteEffectStore:
                         conn.execute("RELEASE op")
                     self._journal.end_op(kept=True)
                     outcomes.append((result, None))
-            conn.execute("COMMIT")  # one fsync for the whole batch
         except sqlite3.Error as exc:
-            self._journal.end_op(kept=False)
-            self._journal.end_batch(committed=False)
-            if conn.in_transaction:
-                conn.rollback()
-            outcomes = [(None, exc) for _ in ops]
-        else:
-            self._journal.end_batch(committed=True)  # the lines go to their files
+            self._abort(conn)
+            return [(None, exc) for _ in ops], False
+        return outcomes, True
+
+    def _finish_batch(self, conn: sqlite3.Connection, outcomes: list[_Outcome]) -> list[_Outcome]:
+        """``COMMIT`` (one fsync for the batch), then the journaled lines go
+        to their files; if the commit fails every op gets its error."""
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._abort(conn)
+            return [(None, exc) for _ in outcomes]
+        self._journal.end_batch(committed=True)
         return outcomes
 
+    def _abort(self, conn: sqlite3.Connection) -> None:
+        """Roll the batch back, and the journal lines it chained."""
+        self._journal.end_op(kept=False)
+        self._journal.end_batch(committed=False)
+        if conn.in_transaction:
+            conn.rollback()
+
+    # -- the loop side ----------------------------------------------------------
+
     async def _run(self, op: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``op`` in a transaction; returns once that transaction is on disk.
+
+        Ops queued while a commit is being written form the next batch: their
+        statements run on the loop's thread (the connection is used by one
+        thread at a time, under ``_busy``), the ``COMMIT`` and its fsync on the
+        writer thread, so the loop keeps serving while the disk works. A
+        request alone (:attr:`inline_when`) also commits on the loop: there is
+        nothing to overlap, and no hand-off to pay for.
+        """
         if self._thread is None or self._loop is None:
             raise RuntimeError("SQLiteEffectStore used before open() or after close()")
         if not self._thread.is_alive():
@@ -295,26 +339,73 @@ class SQLiteEffectStore:
         inline = self.inline_when
         if (
             inline is not None
-            and self._queue.empty()
+            and not self._pending
+            and not self._committing
             and inline()
             and self._busy.acquire(blocking=False)
         ):
             try:
                 assert self._conn is not None
-                [(result, error)] = self._execute(self._conn, [op])
+                outcomes, open_ = self._begin_batch(self._conn, [op])
+                if open_:
+                    outcomes = self._finish_batch(self._conn, outcomes)
             finally:
                 self._busy.release()
+            [(result, error)] = outcomes
             if isinstance(error, sqlite3.Error):
                 raise StoreUnavailable(f"effect store {self.path}: {error}") from error
             if error is not None:
                 raise error
             return cast(T, result)
         future: asyncio.Future[T] = self._loop.create_future()
-        self._queue.put((op, future))
+        self._pending.append((op, future))
+        self._idle.clear()
+        self._kick()
         try:
             return await future
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"effect store {self.path}: {exc}") from exc
+
+    def _kick(self) -> None:
+        """Start the next batch at the end of this loop iteration, unless a
+        commit is being written (its completion kicks again)."""
+        if self._pending and not self._committing and not self._scheduled:
+            assert self._loop is not None
+            self._scheduled = True
+            self._loop.call_soon(self._start_batch)
+        elif not self._pending and not self._committing and not self._scheduled:
+            self._idle.set()
+
+    def _start_batch(self) -> None:
+        self._scheduled = False
+        if self._committing or not self._pending:
+            self._kick()
+            return
+        if not self._busy.acquire(blocking=False):  # the writer is checkpointing
+            assert self._loop is not None
+            self._scheduled = True
+            self._loop.call_later(_BUSY_RETRY_S, self._start_batch)
+            return
+        batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+        assert self._conn is not None
+        try:
+            outcomes, open_ = self._begin_batch(self._conn, [op for op, _ in batch])
+        except BaseException:
+            self._busy.release()
+            raise
+        if not open_:  # nothing to commit: the ops failed
+            self._busy.release()
+            _settle([(f, *o) for (_, f), o in zip(batch, outcomes, strict=True)])
+            self._kick()
+            return
+        self._committing = True  # _busy stays held until the writer has committed
+        self._queue.put(([f for _, f in batch], outcomes))
+
+    def _committed(self, settled: list[_Settled]) -> None:
+        self._committing = False
+        self._busy.release()
+        _settle(settled)
+        self._kick()
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -327,6 +418,8 @@ class SQLiteEffectStore:
             raise StoreUnavailable(f"cannot open effect store {self.path}: {exc}") from exc
         self._loop = asyncio.get_running_loop()
         self._conn = conn
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._thread = threading.Thread(
             target=self._serve, args=(conn,), name="hostcall-sqlite", daemon=True
         )
@@ -362,6 +455,10 @@ class SQLiteEffectStore:
     async def close(self) -> None:
         thread, self._thread = self._thread, None
         if thread is not None:
+            # Queued ops still run (each is bounded by SQLite's busy timeout).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CLOSE_DRAIN_S):
+                    await self._idle.wait()
             self._queue.put(None)
             await asyncio.to_thread(thread.join)
 
@@ -567,7 +664,7 @@ def _use(conn: sqlite3.Connection, invocation_id: str, tool: str, calls: int, co
     )
 
 
-def _settle(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+def _settle(outcomes: list[_Settled]) -> None:
     for future, result, error in outcomes:
         if future.done():  # the awaiting task was cancelled
             continue

@@ -956,15 +956,9 @@ async def test_sqlite_store_used_before_open_or_after_close_is_a_programming_err
 async def test_sqlite_a_failing_operation_in_a_batch_does_not_undo_its_neighbours(
     sqlite_store: SQLiteEffectStore,
 ) -> None:
-    # Hold the writer thread inside one operation while the batch queues up
-    # behind it, so the rest share one transaction (group commit).
-    holding, let_go = threading.Event(), threading.Event()
+    # Operations queued in one turn of the event loop share one transaction
+    # (group commit); the trace shows the statements of that transaction.
     statements: list[str] = []
-
-    def hold(conn: sqlite3.Connection) -> None:
-        conn.set_trace_callback(statements.append)
-        holding.set()
-        let_go.wait(STEP_S)
 
     def write_then_fail(conn: sqlite3.Connection) -> None:
         conn.execute(
@@ -979,20 +973,11 @@ async def test_sqlite_a_failing_operation_in_a_batch_does_not_undo_its_neighbour
         conn.execute("UPDATE effects SET status = 'bogus' WHERE call_id = 'c0'")
 
     async with asyncio.timeout(STEP_S):
-        held = asyncio.ensure_future(sqlite_store._run(hold))
-        await asyncio.to_thread(holding.wait, STEP_S)
+        await sqlite_store._run(lambda conn: conn.set_trace_callback(statements.append))
         before = [asyncio.ensure_future(sqlite_store.begin(start(f"c{i}"), 1.0)) for i in range(5)]
         failing = asyncio.ensure_future(sqlite_store._run(write_then_fail))
         constraint = asyncio.ensure_future(sqlite_store._run(violate_a_constraint))
         after = [asyncio.ensure_future(sqlite_store.begin(start(f"d{i}"), 1.0)) for i in range(5)]
-
-        async def let_go_once_queued() -> None:
-            # Tasks start in the order they were made: by now each one above
-            # has put its operation on the queue and is awaiting its result.
-            let_go.set()
-
-        await asyncio.ensure_future(let_go_once_queued())
-        await held
         begun = await asyncio.gather(*before, *after)
         with pytest.raises(ValueError, match="fails after writing"):
             await failing
@@ -1010,7 +995,7 @@ async def test_sqlite_a_failing_operation_in_a_batch_does_not_undo_its_neighbour
     assert c0.status is EffectStatus.PENDING  # … and so was the constraint violation
     assert sorted(r.call_id for r in listed) == [f"{p}{i}" for p in "cd" for i in range(5)]
     # They really shared one transaction: one BEGIN and one COMMIT for all twelve.
-    first = statements.index("BEGIN IMMEDIATE")  # the batch after the one that held
+    first = statements.index("BEGIN IMMEDIATE")  # the batch after the one that set the trace
     batch = statements[first : statements.index("COMMIT", first) + 1]
     assert batch.count("BEGIN IMMEDIATE") == 1
     assert batch.count("SAVEPOINT op") == 12
