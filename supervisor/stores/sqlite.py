@@ -404,6 +404,11 @@ class SQLiteEffectStore:
     def _committed(self, settled: list[_Settled]) -> None:
         self._committing = False
         self._busy.release()
+        if self._pending and not self._scheduled:
+            # What queued up during the commit goes to the disk now, not a
+            # loop turn later: the commit is the one serial step.
+            self._scheduled = True
+            self._start_batch()
         _settle(settled)
         self._kick()
 
