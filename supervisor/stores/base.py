@@ -62,6 +62,21 @@ class StartCall:
     execution_id: str
     reversible: bool
 
+    def pending_record(self, rerun: EffectRecord | None, now: float) -> EffectRecord:
+        """The ``pending`` record a winning ``begin`` leaves (``rerun``: the
+        ``unknown`` record of a reversible call it starts again)."""
+        return EffectRecord(
+            self.invocation_id,
+            self.call_id,
+            self.tool,
+            self.idempotency_key,
+            EffectStatus.PENDING,
+            self.execution_id,
+            None,
+            rerun.created_at if rerun is not None else now,
+            now,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Begun:

@@ -111,26 +111,7 @@ class MemoryEffectStore:
                 return Begun(False, existing, refused)
             if charge is not None:
                 self._use(start.invocation_id, charge.tool, 1, charge.cost)
-            if existing is not None:
-                record = replace(
-                    existing,
-                    status=EffectStatus.PENDING,
-                    execution_id=start.execution_id,
-                    updated_at=now,
-                )
-            else:
-                record = EffectRecord(
-                    start.invocation_id,
-                    start.call_id,
-                    start.tool,
-                    start.idempotency_key,
-                    EffectStatus.PENDING,
-                    start.execution_id,
-                    None,
-                    now,
-                    now,
-                )
-            self._records[key] = record
+            record = self._records[key] = start.pending_record(existing, now)
             return Begun(True, record)
 
     def _update_pending(self, key: tuple[str, str], **changes: Any) -> None:

@@ -560,20 +560,7 @@ class SQLiteEffectStore:
                 # Cannot happen under BEGIN IMMEDIATE; if it did, the savepoint
                 # rolls the charge back and the call is refused, not run.
                 raise sqlite3.IntegrityError("begin lost a race it cannot lose")
-            return Begun(
-                True,
-                EffectRecord(
-                    start.invocation_id,
-                    start.call_id,
-                    start.tool,
-                    start.idempotency_key,
-                    EffectStatus.PENDING,
-                    start.execution_id,
-                    None,
-                    existing.created_at if existing is not None else now,
-                    now,
-                ),
-            )
+            return Begun(True, start.pending_record(existing, now))
 
         return await self._run(op)
 
