@@ -184,6 +184,7 @@ class ReceiptLog:
         self._queue: list[tuple[bytes, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._fd: int | None = None  # kept open when not fsyncing
+        self._folder_synced = False
 
     async def append(self, **fields: Any) -> str:
         """Chain and durably write one receipt (fields of :func:`make_receipt`);
@@ -239,6 +240,13 @@ class ReceiptLog:
     def _write(self, data: bytes) -> None:
         if self._fsync:
             append_to(self.path, data, fsync=True)
+            if not self._folder_synced:  # the new file's entry in its folder, once
+                fd = os.open(self.path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._folder_synced = True
             return
         try:
             if self._fd is None:

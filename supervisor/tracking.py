@@ -137,10 +137,12 @@ class GuestTree:
         root = snapshot.get(self.root_pid)
         if root is not None:
             found[self.root_pid] = root
-        for pid, (start, _) in list(self._ident.items()):
+        for pid, (start, key) in list(self._ident.items()):
             stat = snapshot.get(pid)
             if stat is None or stat.start != start:
                 del self._ident[pid]  # gone; its pid may be someone else's now
+                if stat is None:  # or only missed by this pass: look again next time
+                    self._indexed.discard(key)
             else:
                 found.setdefault(pid, stat)
         stack = list(found)
@@ -182,10 +184,12 @@ class GuestTree:
         """Processes put in ``seen`` from outside a sample (adopted orphans,
         the stop path): find their line in the snapshot, once."""
         for key in self.seen.keys() - self._indexed:
-            self._indexed.add(key)
+            alive = _exists(self.seen[key])  # the same process, not a reused pid
             stat = snapshot.get(key[0])
-            if stat is not None and _exists(self.seen[key]):  # the same process, not a reused pid
+            if alive and stat is not None:
                 self._ident.setdefault(key[0], (stat.start, key))
+            if stat is not None or not alive:  # else: missed this pass, look again next
+                self._indexed.add(key)
 
     def _check(self, rss: int, processes: int, open_files: int) -> None:
         if self.violation is not None:

@@ -16,6 +16,7 @@ the store's one writer thread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,12 +28,15 @@ from typing import Any, Final
 from supervisor.faults import crash_point
 from supervisor.receipts import GENESIS_HASH, append_to, last_hash, seal
 
-__all__ = ["CHECKPOINT_ROWS", "JOURNAL_SCHEMA", "ReceiptJournal", "recover"]
+__all__ = ["CHECKPOINT_ROWS", "JOURNAL_SCHEMA", "ReceiptJournal"]
 
 logger = logging.getLogger(__name__)
 
 #: Journaled lines after which the files are fsync'd and the journal trimmed.
 CHECKPOINT_ROWS: Final = 1024
+#: More than any receipt line (ids and names are bounded): how far back a
+#: damaged tail is read past what the journal holds.
+_LONGEST_LINE: Final = 65536
 
 JOURNAL_SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS receipt_journal (
@@ -127,13 +131,12 @@ class ReceiptJournal:
         journal rows they now hold. Runs outside any other transaction."""
         for path in sorted(self._dirty):
             try:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync(path)
             except OSError as exc:
                 self._break(path, exc)
+        for folder in sorted({os.path.dirname(path) for path in self._dirty}):
+            with contextlib.suppress(OSError):  # a new file's entry in its folder
+                _fsync(folder)
         self._dirty.clear()
         done = self._last_seq
         broken = sorted(self._broken)
@@ -156,71 +159,109 @@ class ReceiptJournal:
             logger.error("cannot write receipts to %s (kept in the store's journal): %s", path, exc)
         self._broken.add(path)
 
+    def recover(self, conn: sqlite3.Connection) -> int:
+        """Complete every receipt file from the journal, fsync it and empty
+        the journal; returns how many lines were missing. Runs at open,
+        before any other write.
 
-def recover(conn: sqlite3.Connection) -> int:
-    """Complete every receipt file from the journal, fsync it and empty the
-    journal; returns how many lines were missing. Runs before any other write."""
-    written = 0
-    paths = [p for (p,) in conn.execute("SELECT DISTINCT path FROM receipt_journal").fetchall()]
-    for path in paths:
-        rows = conn.execute(
-            "SELECT hash, line FROM receipt_journal WHERE path = ? ORDER BY seq", (path,)
-        ).fetchall()
-        try:
-            missing = _missing(Path(path), rows)
-            if missing is None:
-                continue  # logged; the rows stay for an operator to look at
-            if missing:
-                append_to(Path(path), b"".join(missing), fsync=True)
-                written += len(missing)
-        except OSError as exc:
-            logger.error("cannot complete receipts %s from the journal: %s", path, exc)
-            continue
-        conn.execute("DELETE FROM receipt_journal WHERE path = ?", (path,))
-    if written:
-        logger.warning("completed %d receipt line(s) from the store's journal", written)
-    return written
+        A file whose end does not continue the journal's chain (edited,
+        replaced, or damaged beyond its unsynced tail) is left as it is; its
+        journaled lines are saved beside it (``<file>.unchained``) and an
+        error names both. A file that cannot be written keeps its lines in
+        the journal (for the next start), and new receipts continue them.
+        """
+        written = 0
+        paths = [p for (p,) in conn.execute("SELECT DISTINCT path FROM receipt_journal")]
+        for path in paths:
+            rows = conn.execute(
+                "SELECT hash, line FROM receipt_journal WHERE path = ? ORDER BY seq", (path,)
+            ).fetchall()
+            try:
+                missing = _missing(Path(path), rows)
+                if missing is None:
+                    aside = Path(f"{path}.unchained")
+                    append_to(aside, b"".join(line for _, line in rows), fsync=True)
+                    logger.error(
+                        "receipts %s do not end where the store's journal continues; "
+                        "its %d journaled line(s) were saved to %s",
+                        path,
+                        len(rows),
+                        aside,
+                    )
+                elif missing:
+                    append_to(Path(path), b"".join(missing), fsync=True)
+                    with contextlib.suppress(OSError):
+                        _fsync(os.path.dirname(path))
+                    written += len(missing)
+            except OSError as exc:
+                logger.error("cannot complete receipts %s from the journal: %s", path, exc)
+                self._heads[path] = rows[-1][0]  # new lines continue the journaled ones
+                self._broken.add(path)  # and all of them stay in the journal
+                continue
+            conn.execute("DELETE FROM receipt_journal WHERE path = ?", (path,))
+        if written:
+            logger.warning("completed %d receipt line(s) from the store's journal", written)
+        return written
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _missing(path: Path, rows: list[tuple[str, bytes]]) -> list[bytes] | None:
     """The journaled lines the file lacks, in order; ``None`` if the file does
     not continue the journal's chain."""
-    _cut_torn_tail(path)
-    head = last_hash(path)
+    cut = _cut_damaged_tail(path, limit=sum(len(line) for _, line in rows))
+    if cut:
+        logger.warning("cut %d damaged byte(s) from the end of %s", cut, path)
+    try:
+        head = last_hash(path)
+    except (ValueError, KeyError, TypeError):
+        return None  # damaged further back than the journal reaches
     hashes = [digest for digest, _ in rows]
     if head in hashes:
         return [line for _, line in rows[hashes.index(head) + 1 :]]
     if json.loads(rows[0][1])["prev_hash"] == head:
         return [line for _, line in rows]
-    logger.error(
-        "receipts %s end with a line the store's journal does not continue; "
-        "its %d journaled line(s) were left in the journal",
-        path,
-        len(rows),
-    )
     return None
 
 
-def _cut_torn_tail(path: Path) -> None:
-    """Drop a last line a crash cut short (only journaled lines are unsynced)."""
+def _cut_damaged_tail(path: Path, *, limit: int) -> int:
+    """Drop what a crash left at the end of the file: a line cut short, or
+    lines that are not receipts (pages of an unsynced write that never landed).
+    Only the last ``limit`` bytes may go — as much as the journal holds, the
+    most a crash could have left unsynced. Returns how many bytes went."""
     try:
         with path.open("r+b") as f:
             size = f.seek(0, os.SEEK_END)
-            if size == 0:
-                return
-            f.seek(size - 1)
-            if f.read(1) == b"\n":
-                return
-            end = size
-            while end > 0:  # the last newline, read backwards a block at a time
-                start = max(0, end - 65536)
-                f.seek(start)
-                cut = f.read(end - start).rfind(b"\n")
-                if cut >= 0:
-                    end = start + cut + 1
-                    break
+            base = max(0, size - limit - _LONGEST_LINE)
+            f.seek(base)
+            data = f.read()
+            end = len(data)
+            if not data.endswith(b"\n"):
+                end = data.rfind(b"\n") + 1  # a torn last line
+            while end > 0:
+                start = data.rfind(b"\n", 0, end - 1) + 1
+                if _is_receipt(data[start:end]) or (start == 0 and base > 0):
+                    break  # a good line, or the start of what was read
                 end = start
-            f.truncate(end)
-            logger.warning("cut a torn last line from %s", path)
+            cut = len(data) - end
+            if cut == 0 or cut > limit:
+                return 0  # nothing to cut, or more than a crash explains: leave it
+            f.truncate(base + end)
+            os.fsync(f.fileno())
+            return cut
     except FileNotFoundError:
-        return
+        return 0
+
+
+def _is_receipt(line: bytes) -> bool:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and isinstance(value.get("hash"), str)

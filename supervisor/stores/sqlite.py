@@ -41,12 +41,7 @@ from supervisor.stores.base import (
     budget_allows,
     charge_refusal,
 )
-from supervisor.stores.journal import (
-    CHECKPOINT_ROWS,
-    JOURNAL_SCHEMA,
-    ReceiptJournal,
-    recover,
-)
+from supervisor.stores.journal import CHECKPOINT_ROWS, JOURNAL_SCHEMA, ReceiptJournal
 
 __all__ = ["SCHEMA_VERSION", "SQLiteEffectStore", "read_calls"]
 
@@ -185,6 +180,8 @@ class SQLiteEffectStore:
         self._conn: sqlite3.Connection | None = None
         self._pending: list[tuple[_Op, asyncio.Future[Any]]] = []
         self._committing = False  # a batch's COMMIT is on the writer thread
+        self._closing = False
+        self._failed: BaseException | None = None  # why the writer thread died
         self._scheduled = False  # _start_batch is due on the loop
         self._idle = asyncio.Event()
         #: Held while a transaction or checkpoint uses the connection.
@@ -225,9 +222,10 @@ class SQLiteEffectStore:
         """The writer thread: commits (the fsync) and checkpoints, nothing else."""
         try:
             while True:
-                idle_s = CHECKPOINT_IDLE_S if self._journal.unsynced else None
                 try:
-                    job = self._queue.get(timeout=idle_s)
+                    # Woken now and then also with nothing queued: inline
+                    # commits journal lines without passing through here.
+                    job = self._queue.get(timeout=CHECKPOINT_IDLE_S)
                 except queue.Empty:
                     self._checkpoint(conn)  # idle: make the receipt files durable
                     continue
@@ -242,13 +240,15 @@ class SQLiteEffectStore:
                     outcomes = self._finish_batch(conn, outcomes)
                     if self._journal.unsynced >= CHECKPOINT_ROWS:
                         self._trim(conn)  # once per CHECKPOINT_ROWS lines: this batch waits
-                except BaseException as exc:  # a bug: fail the batch, not hang it
+                except Exception as exc:  # a bug: fail this batch and what waits, not hang
+                    logger.exception("effect store %s: the writer thread failed", self.path)
                     failed = sqlite3.DatabaseError(f"the writer thread failed: {exc!r}")
-                    outcomes = [(None, failed) for _ in futures]
-                    raise
-                finally:
-                    settled = [(f, *o) for f, o in zip(futures, outcomes, strict=True)]
-                    self._loop.call_soon_threadsafe(self._committed, settled)
+                    self._loop.call_soon_threadsafe(self._committed, [], failed)
+                    lost: list[_Settled] = [(f, None, failed) for f in futures]
+                    self._loop.call_soon_threadsafe(self._committed, lost)
+                    return
+                settled = [(f, *o) for f, o in zip(futures, outcomes, strict=True)]
+                self._loop.call_soon_threadsafe(self._committed, settled)
         finally:
             conn.close()
 
@@ -317,8 +317,9 @@ class SQLiteEffectStore:
         """Roll the batch back, and the journal lines it chained."""
         self._journal.end_op(kept=False)
         self._journal.end_batch(committed=False)
-        if conn.in_transaction:
-            conn.rollback()
+        with contextlib.suppress(sqlite3.Error):  # e.g. a connection already closed
+            if conn.in_transaction:
+                conn.rollback()
 
     # -- the loop side ----------------------------------------------------------
 
@@ -334,7 +335,7 @@ class SQLiteEffectStore:
         """
         if self._thread is None or self._loop is None:
             raise RuntimeError("SQLiteEffectStore used before open() or after close()")
-        if not self._thread.is_alive():
+        if self._failed is not None or not self._thread.is_alive():
             raise StoreUnavailable(f"effect store {self.path}: its writer thread has stopped")
         inline = self.inline_when
         if (
@@ -349,6 +350,8 @@ class SQLiteEffectStore:
                 outcomes, open_ = self._begin_batch(self._conn, [op])
                 if open_:
                     outcomes = self._finish_batch(self._conn, outcomes)
+                if self._journal.unsynced >= CHECKPOINT_ROWS:
+                    self._trim(self._conn)  # once per CHECKPOINT_ROWS lines
             finally:
                 self._busy.release()
             [(result, error)] = outcomes
@@ -378,6 +381,9 @@ class SQLiteEffectStore:
 
     def _start_batch(self) -> None:
         self._scheduled = False
+        if self._failed is not None or self._closing:
+            self._fail_pending()
+            return
         if self._committing or not self._pending:
             self._kick()
             return
@@ -401,16 +407,30 @@ class SQLiteEffectStore:
         self._committing = True  # _busy stays held until the writer has committed
         self._queue.put(([f for _, f in batch], outcomes))
 
-    def _committed(self, settled: list[_Settled]) -> None:
+    def _committed(self, settled: list[_Settled], failed: BaseException | None = None) -> None:
+        if failed is not None:  # the writer thread is gone: nothing more will commit
+            self._failed = failed
+            self._fail_pending()
+            return
         self._committing = False
         self._busy.release()
-        if self._pending and not self._scheduled:
-            # What queued up during the commit goes to the disk now, not a
-            # loop turn later: the commit is the one serial step.
-            self._scheduled = True
-            self._start_batch()
-        _settle(settled)
-        self._kick()
+        try:
+            if self._pending and not self._scheduled:
+                # What queued up during the commit goes to the disk now, not a
+                # loop turn later: the commit is the one serial step.
+                self._scheduled = True
+                self._start_batch()
+        finally:
+            _settle(settled)
+            self._kick()
+
+    def _fail_pending(self) -> None:
+        """Answer every queued op with an error (the store is closing or broken)."""
+        pending, self._pending = self._pending, []
+        error = self._failed or sqlite3.OperationalError("the effect store was closed")
+        _settle([(future, None, error) for _, future in pending])
+        if not self._committing:
+            self._idle.set()
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -425,6 +445,10 @@ class SQLiteEffectStore:
         self._conn = conn
         self._idle = asyncio.Event()
         self._idle.set()
+        # A fresh start also after an open() that failed and closed.
+        self._journal = ReceiptJournal()
+        self._pending, self._committing, self._scheduled = [], False, False
+        self._closing, self._failed = False, None
         self._thread = threading.Thread(
             target=self._serve, args=(conn,), name="hostcall-sqlite", daemon=True
         )
@@ -446,7 +470,7 @@ class SQLiteEffectStore:
                     "UPDATE meta SET value = ? WHERE key = 'schema_version'",
                     (str(SCHEMA_VERSION),),
                 )
-            recover(conn)  # receipt lines a crash kept out of their files
+            self._journal.recover(conn)  # receipt lines a crash kept out of their files
             return conn.execute(
                 "UPDATE effects SET status = 'unknown' WHERE status = 'pending'"
             ).rowcount
@@ -460,10 +484,13 @@ class SQLiteEffectStore:
     async def close(self) -> None:
         thread, self._thread = self._thread, None
         if thread is not None:
-            # Queued ops still run (each is bounded by SQLite's busy timeout).
+            # Queued ops still run (each is bounded by SQLite's busy timeout);
+            # whatever is still queued after CLOSE_DRAIN_S fails, not hangs.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(CLOSE_DRAIN_S):
                     await self._idle.wait()
+            self._closing = True
+            self._fail_pending()
             self._queue.put(None)
             await asyncio.to_thread(thread.join)
 

@@ -9,6 +9,7 @@ the journal: the next start completes the file, also past a torn last line.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -24,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from supervisor.errors import StoreUnavailable
 from supervisor.receipts import (
     GENESIS_HASH,
     JournaledReceipts,
@@ -32,7 +34,7 @@ from supervisor.receipts import (
     verify_chain,
 )
 from supervisor.stores import SQLiteEffectStore, StartCall
-from tests.harness import STEP_TIMEOUT_S
+from tests.harness import STEP_TIMEOUT_S, wait_until
 
 GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
 
@@ -176,7 +178,21 @@ async def test_a_torn_last_line_is_cut_and_rewritten_from_the_journal(tmp_path: 
     assert verify_chain(path) == (3, None)
 
 
-async def test_a_file_that_does_not_continue_the_journal_is_left_alone(
+async def test_damaged_pages_at_the_end_are_cut_and_rewritten_from_the_journal(
+    tmp_path: Path,
+) -> None:
+    db, path = tmp_path / "effects.db", tmp_path / "inv_j.jsonl"
+    _crash_after_third_journal_commit(db, path)
+    with path.open("ab") as f:  # a later page of an unsynced write landed, an earlier one not
+        f.write(b"\0" * 300 + b'"tool":"noop"}\n')
+    store = SQLiteEffectStore(db)
+    await store.open()
+    await store.close()
+    assert _call_ids(path) == ["r0", "r1", "r2"]
+    assert verify_chain(path) == (3, None)
+
+
+async def test_a_file_that_does_not_continue_the_journal_is_left_alone_and_nothing_is_lost(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     db, path = tmp_path / "effects.db", tmp_path / "inv_j.jsonl"
@@ -185,10 +201,58 @@ async def test_a_file_that_does_not_continue_the_journal_is_left_alone(
     path.write_bytes(foreign)  # someone replaced the file with another chain
     store = SQLiteEffectStore(db)
     await store.open()
-    await store.close()
-    assert _call_ids(path) == ["x"]  # nothing appended that would hide the break
-    assert len(_journal_rows(db)) == 3  # and nothing thrown away
-    assert "does not continue" in caplog.text
+    try:
+        await JournaledReceipts(path, store).record(_receipt("later"))
+    finally:
+        await store.close()
+    assert _call_ids(path) == ["x", "later"]  # the file goes on from its own end
+    assert verify_chain(path) == (2, None)
+    aside = Path(f"{path}.unchained")  # the journaled lines, kept for an operator
+    assert _call_ids(aside) == ["r0", "r1", "r2"]
+    assert verify_chain(aside) == (3, None)
+    assert _journal_rows(db) == []
+    assert str(aside) in caplog.text
+
+
+async def test_with_every_commit_inline_the_journal_is_still_trimmed_when_idle(
+    tmp_path: Path,
+) -> None:
+    db, path = tmp_path / "effects.db", tmp_path / "inv_j.jsonl"
+    store = SQLiteEffectStore(db)
+    store.inline_when = lambda: True  # one request at a time: nothing goes to the writer
+    await store.open()
+    try:
+        receipts = JournaledReceipts(path, store)
+        for n in range(5):
+            await receipts.record(_receipt(f"r{n}"))
+        assert len(_journal_rows(db)) == 5
+        await wait_until(lambda: _journal_rows(db) == [], "the idle writer to trim the journal")
+    finally:
+        await store.close()
+    assert verify_chain(path) == (5, None)
+
+
+async def test_a_writer_thread_that_dies_fails_the_waiting_ops_instead_of_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SQLiteEffectStore(tmp_path / "effects.db")
+    await store.open()
+
+    def broken(*_: object) -> object:
+        raise RuntimeError("a bug in the writer")
+
+    monkeypatch.setattr(store, "_finish_batch", broken)
+    try:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            first = asyncio.ensure_future(store.get("inv_j", "c1"))
+            second = asyncio.ensure_future(store.get("inv_j", "c2"))
+            outcomes = await asyncio.gather(first, second, return_exceptions=True)
+            assert all(isinstance(o, StoreUnavailable) for o in outcomes), outcomes
+            with pytest.raises(StoreUnavailable):
+                await store.get("inv_j", "c3")
+    finally:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await store.close()
 
 
 PLAN = """
