@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from channel.wire import CallReply
 from supervisor.approvals import ApprovalGate, ApprovalTicket, ProposalRequest
-from supervisor.canonical import idempotency_key, jcs
+from supervisor.canonical import idempotency_key, jcs, sha256_hex
 from supervisor.errors import Refusal, StoreUnavailable
 from supervisor.faults import crash_point
 from supervisor.metrics import Metrics
@@ -68,8 +68,8 @@ class _Outcome:
 
     reply: CallReply
     receipt_outcome: str
-    result: Any = None
-    has_result: bool = False
+    #: sha256 hex of the result's JCS, for the receipt (``None``: no result).
+    result_sha256: str | None = None
     approval_id: str | None = None
     #: Set when the receipt was recorded with the call's commit.
     receipt_id: str | None = None
@@ -135,7 +135,7 @@ class Broker:
             self.metrics.observe(label, outcome.receipt_outcome, self.clock() - started_at)
         if outcome.reply.status in ("ok", "error") and outcome.reply.effect != "failed":
             # The reply carries this request's own receipt, replayed or not.
-            return _with_receipt(outcome.reply, receipt_id)
+            return outcome.reply.with_receipt(receipt_id)
         return outcome.reply
 
     async def status(self, call_id: str, wait_s: float) -> CallReply:
@@ -405,7 +405,7 @@ class Broker:
             )
             return _Outcome(reply, "failed", approval_id=approval_id)
         crash_point("after_handler")
-        result, problem = _checked_result(tool, raw)
+        result, digest, problem = _checked_result(tool, raw)
         if problem is None:
             reply = CallReply(
                 "ok",
@@ -415,7 +415,7 @@ class Broker:
                 result=result,
                 idempotency_key=call.key,
             )
-            outcome = _Outcome(reply, "executed", result, True, approval_id)
+            outcome = _Outcome(reply, "executed", digest, approval_id)
         else:
             reply = CallReply(
                 "error",
@@ -478,8 +478,7 @@ class Broker:
             idempotency_key=key,
             outcome=outcome.receipt_outcome,
             error_code=str(error["code"]) if error is not None else outcome.reply.reason,
-            result=outcome.result,
-            has_result=outcome.has_result,
+            result_sha256=outcome.result_sha256,
             approval_id=outcome.approval_id,
             started_at=started_at,
             finished_at=self.clock(),
@@ -530,8 +529,9 @@ async def _consume_async(result: Any) -> Any:
     return result
 
 
-def _checked_result(tool: Tool, raw: Any) -> tuple[Any, str | None]:
-    """The JSON result, or the reason it is invalid (SPEC §4.3 ``result_invalid``)."""
+def _checked_result(tool: Tool, raw: Any) -> tuple[Any, str | None, str | None]:
+    """The JSON result and the sha256 of its JCS (checking it is JSON makes
+    that JCS once), or the reason it is invalid (SPEC §4.3 ``result_invalid``)."""
     result = raw
     if tool.output_adapter is not None:
         try:
@@ -539,12 +539,12 @@ def _checked_result(tool: Tool, raw: Any) -> tuple[Any, str | None]:
                 tool.output_adapter.validate_python(raw), mode="json"
             )
         except (ValidationError, ValueError, TypeError) as exc:
-            return None, f"the result does not match {tool.name}'s output schema: {exc}"
+            return None, None, f"the result does not match {tool.name}'s output schema: {exc}"
     try:
-        jcs(result)
+        canonical = jcs(result)
     except ValueError as exc:
-        return None, f"the result is not JSON: {exc}"
-    return result, None
+        return None, None, f"the result is not JSON: {exc}"
+    return result, sha256_hex(canonical), None
 
 
 def _reply_for_record(record: EffectRecord) -> CallReply:
@@ -560,7 +560,8 @@ def _reply_for_record(record: EffectRecord) -> CallReply:
 def _outcome_of(reply: CallReply) -> _Outcome:
     """The outcome of a request answered without running anything now."""
     if reply.effect == "replayed":
-        return _Outcome(reply, "replayed", reply.result, reply.status == "ok")
+        digest = sha256_hex(jcs(reply.result)) if reply.status == "ok" else None
+        return _Outcome(reply, "replayed", digest)
     if reply.status == "ambiguous":
         return _Outcome(reply, "unknown")
     return _Outcome(reply, "refused")
@@ -568,10 +569,6 @@ def _outcome_of(reply: CallReply) -> _Outcome:
 
 def _not_found(call_id: str) -> CallReply:
     return CallReply.refused(call_id, Refusal("not_found", "no call with this call_id"))
-
-
-def _with_receipt(reply: CallReply, receipt_id: str) -> CallReply:
-    return reply.with_receipt(receipt_id)
 
 
 async def _wait(future: asyncio.Future[Any], deadline: float) -> bool:

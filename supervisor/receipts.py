@@ -39,6 +39,8 @@ __all__ = [
     "JournaledReceipts",
     "ReceiptLog",
     "Receipts",
+    "append_to",
+    "fsync_path",
     "last_hash",
     "make_receipt",
     "seal",
@@ -108,13 +110,15 @@ def make_receipt(
     idempotency_key: str | None,
     outcome: str,
     error_code: str | None,
-    result: Any = None,
-    has_result: bool = False,
+    result_sha256: str | None = None,
     approval_id: str | None,
     started_at: float,
     finished_at: float,
 ) -> dict[str, Any]:
-    """A receipt without its place in the chain (``prev_hash`` and ``hash``)."""
+    """A receipt without its place in the chain (``prev_hash`` and ``hash``).
+
+    ``result_sha256``: sha256 hex of the result's JCS, ``None`` when there is none.
+    """
     return {
         "receipt_id": new_id("rcpt"),
         "invocation_id": invocation_id,
@@ -125,7 +129,7 @@ def make_receipt(
         "idempotency_key": idempotency_key,
         "outcome": outcome,
         "error_code": error_code,
-        "result_sha256": sha256_hex(jcs(result)) if has_result else None,
+        "result_sha256": result_sha256,
         "approval_id": approval_id,
         "started_at": utc_timestamp(started_at),
         "finished_at": utc_timestamp(finished_at),
@@ -241,11 +245,7 @@ class ReceiptLog:
         if self._fsync:
             append_to(self.path, data, fsync=True)
             if not self._folder_synced:  # the new file's entry in its folder, once
-                fd = os.open(self.path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_path(self.path.parent)
                 self._folder_synced = True
             return
         try:
@@ -264,6 +264,15 @@ def append_to(path: Path, data: bytes, *, fsync: bool) -> None:
         _write_all(fd, data)
         if fsync:
             os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or folder by name (a folder: the entries of new files)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -286,8 +286,7 @@ class Supervisor:
 
     def _receipts_at(self, path: Path) -> Receipts:
         store = self.store
-        if store.journals_receipts:
-            assert isinstance(store, SQLiteEffectStore)
+        if isinstance(store, SQLiteEffectStore):  # receipts share its transactions
             return JournaledReceipts(path, store)
         return ReceiptLog(path, self._executor, fsync=store.durable)
 

@@ -62,6 +62,15 @@ class StartCall:
     execution_id: str
     reversible: bool
 
+    def reruns(self, record: EffectRecord) -> bool:
+        """Whether ``begin`` runs ``record``'s call again (SPEC §5 step 5): a
+        reversible tool whose outcome is in doubt, same tool and arguments."""
+        return (
+            self.reversible
+            and record.status is EffectStatus.UNKNOWN
+            and (record.tool, record.idempotency_key) == (self.tool, self.idempotency_key)
+        )
+
     def pending_record(self, rerun: EffectRecord | None, now: float) -> EffectRecord:
         """The ``pending`` record a winning ``begin`` leaves (``rerun``: the
         ``unknown`` record of a reversible call it starts again)."""
@@ -175,12 +184,6 @@ class EffectStore(Protocol):
     @property
     def durable(self) -> bool:
         """Whether records survive the process (receipts are fsync'd if so)."""
-        ...
-
-    @property
-    def journals_receipts(self) -> bool:
-        """Whether receipts go through the store's transactions
-        (:class:`~supervisor.receipts.JournaledReceipts`)."""
         ...
 
     async def open(self) -> int:

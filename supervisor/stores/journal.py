@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from supervisor.faults import crash_point
-from supervisor.receipts import GENESIS_HASH, append_to, last_hash, seal
+from supervisor.receipts import GENESIS_HASH, append_to, fsync_path, last_hash, seal
 
 __all__ = ["CHECKPOINT_ROWS", "JOURNAL_SCHEMA", "ReceiptJournal"]
 
@@ -131,12 +131,12 @@ class ReceiptJournal:
         journal rows they now hold. Runs outside any other transaction."""
         for path in sorted(self._dirty):
             try:
-                _fsync(path)
+                fsync_path(path)
             except OSError as exc:
                 self._break(path, exc)
         for folder in sorted({os.path.dirname(path) for path in self._dirty}):
             with contextlib.suppress(OSError):  # a new file's entry in its folder
-                _fsync(folder)
+                fsync_path(folder)
         self._dirty.clear()
         done = self._last_seq
         broken = sorted(self._broken)
@@ -191,7 +191,7 @@ class ReceiptJournal:
                 elif missing:
                     append_to(Path(path), b"".join(missing), fsync=True)
                     with contextlib.suppress(OSError):
-                        _fsync(os.path.dirname(path))
+                        fsync_path(os.path.dirname(path))
                     written += len(missing)
             except OSError as exc:
                 logger.error("cannot complete receipts %s from the journal: %s", path, exc)
@@ -202,14 +202,6 @@ class ReceiptJournal:
         if written:
             logger.warning("completed %d receipt line(s) from the store's journal", written)
         return written
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _missing(path: Path, rows: list[tuple[str, bytes]]) -> list[bytes] | None:

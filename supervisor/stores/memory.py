@@ -28,7 +28,6 @@ class MemoryEffectStore:
 
     #: Nothing survives the process, so receipt lines are not fsync'd either.
     durable = False
-    journals_receipts = False
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -96,14 +95,7 @@ class MemoryEffectStore:
         key = (start.invocation_id, start.call_id)
         with self._lock:
             existing = self._records.get(key)
-            rerun = (
-                existing is not None
-                and start.reversible
-                and existing.status is EffectStatus.UNKNOWN
-                and existing.tool == start.tool
-                and existing.idempotency_key == start.idempotency_key
-            )
-            if existing is not None and not rerun:
+            if existing is not None and not start.reruns(existing):
                 return Begun(False, existing)
             invocation = self._invocations.get(start.invocation_id)
             refused = charge_refusal(charge, invocation.used if invocation else None, now)

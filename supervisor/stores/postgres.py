@@ -44,7 +44,6 @@ from supervisor.stores.base import (
     BudgetUse,
     Charge,
     EffectRecord,
-    EffectStatus,
     InvocationRecord,
     StartCall,
     charge_refusal,
@@ -151,7 +150,6 @@ class PostgresEffectStore:
     #: Records survive the process; receipts go to the file (fsync'd) of the
     #: replica that answered, not through the shared database.
     durable = True
-    journals_receipts = False
 
     def __init__(
         self,
@@ -568,7 +566,7 @@ class PostgresEffectStore:
         record = None if existing is None else effect_from_row(existing)
         if refused is not None:
             return Begun(False, record, refused)
-        if record is None or _reruns(record, start):
+        if record is None or start.reruns(record):
             return None
         return Begun(False, record)
 
@@ -645,15 +643,6 @@ class PostgresEffectStore:
 
 class _Refused(Exception):
     """Raised inside begin's transaction to roll it back: the charge did not fit."""
-
-
-def _reruns(record: EffectRecord, start: StartCall) -> bool:
-    """Whether ``begin`` would run this record's call again (SPEC §5 step 5)."""
-    return (
-        start.reversible
-        and record.status is EffectStatus.UNKNOWN
-        and (record.tool, record.idempotency_key) == (start.tool, start.idempotency_key)
-    )
 
 
 def _split_dsn(dsn: str) -> tuple[str, dict[str, str], dict[str, str]]:

@@ -164,9 +164,9 @@ class SQLiteEffectStore:
     ``unknown``.
     """
 
-    #: Records survive the process; receipts share its transactions.
+    #: Records survive the process (receipts share its transactions:
+    #: :class:`~supervisor.receipts.JournaledReceipts`).
     durable = True
-    journals_receipts = True
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -547,14 +547,7 @@ class SQLiteEffectStore:
             # One transaction on the only writer: the check, the charge and the
             # insert are atomic, and cost one fsync together.
             existing = _get_effect(conn, start.invocation_id, start.call_id)
-            rerun = (
-                existing is not None
-                and start.reversible
-                and existing.status is EffectStatus.UNKNOWN
-                and existing.tool == start.tool
-                and existing.idempotency_key == start.idempotency_key
-            )
-            if existing is not None and not rerun:
+            if existing is not None and not start.reruns(existing):
                 return Begun(False, existing)
             if charge is not None:
                 invocation = _get_invocation(conn, start.invocation_id)
