@@ -267,28 +267,44 @@ for i in range(3):
 """
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_fds(transient: Path) -> list[str]:
+    """What this process's descriptors point at, but those under ``transient``:
+    the store's writer thread opens a receipt file (or its folder) for one
+    append or fsync at a time, whenever it is idle — never kept, but it may be
+    open at the moment we look."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the listing's own descriptor, now closed
+            continue
+        if not target.startswith(str(transient)):
+            targets.append(target)
+    return sorted(targets)
 
 
 async def test_a_hundred_concurrent_guests_are_all_served_and_nothing_leaks(
     tmp_path: Path, ledger: Ledger
 ) -> None:
     plan = billing_plan(ledger)
+    receipts = tmp_path / "s" / "receipts"
+    fds_outside = _open_fds(receipts)
     async with Supervisor(tmp_path / "s", plan=plan) as sup:
         await asyncio.sleep(0)  # let start-up settle before counting fds
-        fds_before = _open_fds()
+        fds_before = _open_fds(receipts)
         async with asyncio.timeout(STEP_TIMEOUT_S * 4):
             outcomes = await asyncio.gather(
                 *(sup.run(plan, [sys.executable, "-c", CALLER, str(n)]) for n in range(100))
             )
-        fds_after = _open_fds()
+        fds_after = _open_fds(receipts)
         records = [await sup.store.calls(o.invocation_id) for o in outcomes]
+    # Closed, it holds nothing at all: no receipt file either.
+    assert _open_fds(tmp_path / "none") == fds_outside
     assert [o.exit_status for o in outcomes] == [0] * 100
     assert all(o.last.calls == {"executed": 3, "replayed": 3} for o in outcomes)
     assert all(len(r) == 3 for r in records)
     assert ledger.runs["lookup"] == 300
-    assert fds_after <= fds_before
+    assert fds_after == fds_before
     children = [
         p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
     ]
