@@ -34,7 +34,10 @@ EXIT_USAGE: Final = 2
 EXIT_NOT_FOUND: Final = 127
 
 
-def _state_dir(value: str | None) -> Path:
+def _state_dir(args: argparse.Namespace) -> Path:
+    """``--state-dir`` (given anywhere on the line), else ``$HOSTCALL_STATE_DIR``,
+    else ``./.hostcall`` (SPEC §9)."""
+    value = getattr(args, "state_dir", None)
     return Path(value or os.environ.get("HOSTCALL_STATE_DIR") or ".hostcall")
 
 
@@ -59,13 +62,19 @@ def _parser() -> argparse.ArgumentParser:
         prog="hostcall",
         description="Run agent code as guest processes that call host tools at most once.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def state_dir_option(sub: argparse.ArgumentParser) -> None:
+        # On every parser of the line (`hostcall approvals --state-dir D list`
+        # and `hostcall approvals list --state-dir D` both work); SUPPRESS, so a
+        # subcommand's parser does not reset a value an outer one set.
         sub.add_argument(
             "--state-dir",
+            default=argparse.SUPPRESS,
             help="state directory (default: $HOSTCALL_STATE_DIR, else ./.hostcall)",
         )
+
+    state_dir_option(parser)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="launch a guest under a plan and serve its calls")
     state_dir_option(run)
@@ -88,11 +97,20 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="run the bundled billing example end to end")
     state_dir_option(demo)
-    demo.add_argument(
-        "--auto-approve", action="store_true", help="approve the demo's proposal unattended"
+    deciding = demo.add_mutually_exclusive_group()
+    deciding.add_argument(
+        "--manual-approval",
+        action="store_true",
+        help="wait for you to approve or reject the demo's proposal from a second terminal",
+    )
+    deciding.add_argument(
+        "--auto-approve",
+        action="store_true",
+        help="approve the demo's proposal unattended (the default)",
     )
 
     approvals = commands.add_parser("approvals", help="list and decide approval proposals")
+    state_dir_option(approvals)
     decisions = approvals.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = decisions.add_parser("list", help="proposals, oldest first")
     state_dir_option(listing)
@@ -117,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     calls.add_argument("--store", help="read this store when no supervisor runs")
 
     receipts = commands.add_parser("receipts", help="check receipt files")
+    state_dir_option(receipts)
     receipt_actions = receipts.add_subparsers(dest="action", required=True, metavar="ACTION")
     verify = receipt_actions.add_parser("verify", help="check a receipt file's hash chain")
     state_dir_option(verify)
@@ -153,7 +172,7 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"hostcall run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     plan = Plan.load(args.plan)
-    async with Supervisor(_state_dir(args.state_dir), store=args.store) as sup:
+    async with Supervisor(_state_dir(args), store=args.store) as sup:
         try:
             outcome = await sup.run(
                 plan, argv, invocation_id=args.invocation, limits=limits, attempts=args.attempts
@@ -171,12 +190,12 @@ async def _run(args: argparse.Namespace) -> int:
 async def _demo(args: argparse.Namespace) -> int:
     from supervisor.demo import run_demo
 
-    return await run_demo(args.state_dir, auto_approve=args.auto_approve)
+    return await run_demo(getattr(args, "state_dir", None), auto_approve=not args.manual_approval)
 
 
 async def _serve(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
-    state_dir = _state_dir(args.state_dir)
+    state_dir = _state_dir(args)
     async with Supervisor(state_dir, store=args.store, plan=plan) as sup:
         print(
             f"hostcall serve: plan {plan.name} ({plan.plan_hash[:19]}…)\n"
@@ -205,7 +224,7 @@ def _short(value: Any, width: int = 48) -> str:
 
 
 def _approvals(args: argparse.Namespace) -> int:
-    client = AdminClient(_state_dir(args.state_dir))
+    client = AdminClient(_state_dir(args))
     if args.action == "list":
         query = f"?state={args.state}" if args.state else ""
         proposals = client.request("GET", f"/v1/approvals{query}")
@@ -239,7 +258,7 @@ def _approvals(args: argparse.Namespace) -> int:
 
 
 def _calls(args: argparse.Namespace) -> int:
-    state_dir = _state_dir(args.state_dir)
+    state_dir = _state_dir(args)
     try:
         records = AdminClient(state_dir).request("GET", f"/v1/invocations/{args.invocation}/calls")
     except SupervisorNotRunning:

@@ -8,9 +8,11 @@ approval. Then the demo prints what the host recorded (receipts, effect
 records, proposals) and what the bank holds, so the at-most-once guarantee can
 be checked against the bank itself.
 
-The approval is answered from a second terminal (``hostcall approvals approve
-ID`` or ``reject ID``; the demo prints both commands when the proposal opens),
-or, with ``auto_approve``, by an ``approver`` callback, for unattended runs.
+SPEC §9 asks for the example "end to end, with no setup", so by default the
+approval step decides itself (an ``approver`` callback approves at once). With
+``auto_approve=False`` (``hostcall demo --manual-approval``) an operator
+decides it from a second terminal (``hostcall approvals approve ID`` or
+``reject ID``; the demo prints both commands when the proposal opens).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import os
 import shlex
 import sqlite3
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -73,7 +74,7 @@ def example_dir() -> Path:
     return folder
 
 
-async def run_demo(state_dir: str | None, *, auto_approve: bool = False) -> int:
+async def run_demo(state_dir: str | None, *, auto_approve: bool = True) -> int:
     """Run the billing example and print what happened; returns the agent's exit status.
 
     Returns ``EXIT_NO_EXAMPLE`` (after saying why on stderr) when the example
@@ -81,10 +82,12 @@ async def run_demo(state_dir: str | None, *, auto_approve: bool = False) -> int:
 
     Args:
         state_dir: Where the supervisor keeps its state and the demo its bank;
-            when ``None``, ``$HOSTCALL_STATE_DIR``, else a fresh temporary directory.
-        auto_approve: Approve the agent's proposal at once. Otherwise the demo
-            prints how to decide it from a second terminal and waits, at most
-            for the plan's ``approval_timeout_s``, after which it expires.
+            when ``None``, ``$HOSTCALL_STATE_DIR``, else ``./.hostcall`` (SPEC §9).
+            The bank is made anew on every run; receipts accumulate.
+        auto_approve: Approve the agent's proposal at once (the default: the
+            demo runs unattended). Otherwise the demo prints how to decide it
+            from a second terminal and waits, at most for the plan's
+            ``approval_timeout_s``, after which it expires.
     """
     try:
         folder = example_dir()
@@ -92,11 +95,8 @@ async def run_demo(state_dir: str | None, *, auto_approve: bool = False) -> int:
         print(f"hostcall demo: {exc}", file=sys.stderr)
         return EXIT_NO_EXAMPLE
     plan = Plan.load(folder / "plan.toml")
-    # SPEC §9: --state-dir, else $HOSTCALL_STATE_DIR; the demo's last resort is a
-    # fresh temporary directory rather than ./.hostcall, so it needs no setup.
-    chosen = state_dir or os.environ.get("HOSTCALL_STATE_DIR")
-    path = Path(chosen) if chosen else Path(tempfile.mkdtemp(prefix="hcdemo-"))
-    bank = path.absolute() / "bank.db"
+    path, absolute = _state_dir(state_dir)
+    bank = absolute / "bank.db"
     repo_root = str(folder.parents[1])
     guest_env = {k: v for k, v in os.environ.items() if k != BANK_ENV}
     # The guest imports guest_client from this checkout, whatever is installed.
@@ -109,7 +109,7 @@ async def run_demo(state_dir: str | None, *, auto_approve: bool = False) -> int:
     if not auto_approve:
         print("step 5 waits for you: approve or reject it from a second terminal")
     print(_RULE, flush=True)
-    approver = _approver(path.absolute(), auto_approve)
+    approver = _approver(absolute, auto_approve)
     async with Supervisor(state_dir=path, approver=approver) as sup:
         # Only once the state dir is ours (locked): a fresh bank for every demo run.
         await asyncio.to_thread(_remove_bank, bank)
@@ -139,6 +139,13 @@ async def run_demo(state_dir: str | None, *, auto_approve: bool = False) -> int:
     return outcome.exit_status
 
 
+def _state_dir(given: str | None) -> tuple[Path, Path]:
+    """The state dir as given (SPEC §9: ``--state-dir``, else
+    ``$HOSTCALL_STATE_DIR``, else ``./.hostcall``), and made absolute."""
+    path = Path(given or os.environ.get("HOSTCALL_STATE_DIR") or ".hostcall")
+    return path, path.absolute()
+
+
 def _approver(state_dir: Path, auto_approve: bool) -> Callable[[Proposal], Awaitable[bool | None]]:
     """The supervisor's ``approver``: called once when a proposal opens.
 
@@ -152,7 +159,11 @@ def _approver(state_dir: Path, auto_approve: bool) -> Callable[[Proposal], Await
         print(f"   host: {proposal.call_id} needs approval, proposal {proposal.id}")
         print(f"     {proposal.tool} {args}")
         if auto_approve:
-            print("   host: approved automatically (--auto-approve)", flush=True)
+            print(
+                "   host: approved automatically"
+                " (to decide it yourself: hostcall demo --manual-approval)",
+                flush=True,
+            )
             return True
         where = shlex.quote(str(state_dir))
         reason = shlex.quote(REJECT_REASON)

@@ -1,10 +1,11 @@
 """``hostcall demo``, run as a user runs it: a real CLI process, a real guest, a real bank.
 
 The bank is checked directly afterwards, so the test does not take the demo's
-own printout as proof that each effect happened once. The approval step is
-decided by ``--auto-approve``, or by ``hostcall approvals`` run as a second
-process once the demo has printed its instructions (read from its stdout as
-they come, every wait bounded).
+own printout as proof that each effect happened once. The approval step
+decides itself (the default, SPEC §9: "end to end, with no setup"), or, with
+``--manual-approval``, by ``hostcall approvals`` run as a second process once
+the demo has printed its instructions (read from its stdout as they come,
+every wait bounded).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def test_an_auto_approved_call_runs_once_and_its_receipt_names_the_approval(
     opened = re.search(r"host: refund-1002 needs approval, proposal (apr_\w+)$", output, re.M)
     assert opened is not None, output
     approval_id = opened[1]
-    assert "host: approved automatically (--auto-approve)" in output
+    assert "host: approved automatically" in output
     assert "-> approved and executed: rf_1, acct_bob balance is now 2000 cents" in output
     assert "hostcall approvals approve" not in output  # nobody is asked
     assert [row[:3] for row in _rows(output, "refund-1002")] == [
@@ -205,10 +206,11 @@ class _RunningDemo:
 
 @pytest.fixture
 def start_demo(tmp_path: Path) -> Iterator[tuple[_RunningDemo, Path]]:
-    """``python -m supervisor.cli demo --state-dir st`` (relative), waiting for a human."""
+    """``python -m supervisor.cli demo --manual-approval --state-dir st`` (relative),
+    waiting for a human."""
     with (tmp_path / "demo.stderr").open("w") as stderr:
         process = subprocess.Popen(
-            [*_CLI, "demo", "--state-dir", "st"],
+            [*_CLI, "demo", "--manual-approval", "--state-dir", "st"],
             cwd=tmp_path,
             env=_clean_env(),
             stdout=subprocess.PIPE,
@@ -338,13 +340,33 @@ async def test_a_proposal_nobody_decides_expires_and_the_demo_still_exits_zero(
 
     monkeypatch.setattr(supervisor.demo, "Plan", SimpleNamespace(load=short_lease))
 
-    assert await run_demo(str(tmp_path / "st")) == 0
+    assert await run_demo(str(tmp_path / "st"), auto_approve=False) == 0
 
     output = capfd.readouterr().out
     assert "hostcall approvals approve apr_" in output
     assert "-> Refused approval_expired: nothing ran" in output
     assert re.search(r"^\s+apr_\w+\s+refund-1002\s+expired\s+lease$", output, re.M)
     assert _refunds(tmp_path / "st" / "bank.db") == []
+
+
+def test_plain_hostcall_demo_runs_unattended_in_the_default_state_dir(tmp_path: Path) -> None:
+    """No flag, no environment, no terminal: it finishes, in ./.hostcall (SPEC §9)."""
+    for run in (1, 2):  # a second run in the same state dir: a fresh bank, new receipts
+        completed = subprocess.run(
+            [*_CLI, "demo"],
+            cwd=tmp_path,
+            env=_clean_env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=DEMO_TIMEOUT_S,
+            check=False,
+        )
+        assert completed.returncode == 0, completed.stdout + completed.stderr
+        assert "state dir: .hostcall" in completed.stdout
+        assert "host: approved automatically" in completed.stdout
+        assert len(list((tmp_path / ".hostcall" / "receipts").glob("inv_*.jsonl"))) == run
+        assert _refunds(tmp_path / ".hostcall" / "bank.db") == [REFUND]
 
 
 def test_the_demo_says_clearly_when_its_example_is_not_installed(

@@ -108,6 +108,31 @@ def test_the_json_summary_is_machine_readable(tmp_path: Path, plan_file: Path) -
     assert lines[2] == {"call_id": "c1", "result": "hi"}
 
 
+def test_state_dir_is_taken_after_a_command_group_too(tmp_path: Path, plan_file: Path) -> None:
+    """SPEC §9: `--state-dir DIR` after the subcommand's name — also after
+    `approvals` / `receipts`, before their action, and before the command."""
+    state = tmp_path / "st"
+    done = run_guest(state, plan_file, "calls", json.dumps([["c1", "echo", {"text": "x"}]]))
+    assert done.returncode == 0, done.stderr
+    [receipts] = (state / "receipts").glob("inv_*.jsonl")
+    elsewhere = {**os.environ, "HOSTCALL_STATE_DIR": str(tmp_path / "elsewhere")}
+    for argv in (
+        ("approvals", "--state-dir", str(state), "list"),
+        ("approvals", "list", "--state-dir", str(state)),
+        ("--state-dir", str(state), "approvals", "list"),
+    ):
+        # No supervisor runs there now: the message names the directory it used.
+        listed = hostcall(*argv, env=elsewhere)
+        assert listed.returncode == 2, listed.stderr
+        assert f"no supervisor is running on {state}" in listed.stderr
+    for argv in (
+        ("receipts", "--state-dir", str(state), "verify", str(receipts)),
+        ("receipts", "verify", str(receipts), "--state-dir", str(state)),
+    ):
+        verified = hostcall(*argv)
+        assert verified.returncode == 0, verified.stderr
+
+
 def test_a_state_dir_path_too_long_for_sun_path_still_works(
     tmp_path: Path, plan_file: Path
 ) -> None:
