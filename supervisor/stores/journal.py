@@ -3,15 +3,19 @@
 Without a journal a committed call costs two fsyncs before its reply: the
 store's commit and the receipt file's. With it, the writer thread chains the
 receipt and inserts its line into ``receipt_journal`` inside the transaction
-that records the call, so the commit's fsync makes both durable. After that
-transaction commits, the lines are appended to their files (page cache, in
+that records the call, so the commit's fsync makes both durable. Once that
+transaction is on disk, the lines are appended to their files (page cache, in
 chain order). Now and then (:data:`CHECKPOINT_ROWS` lines, or an idle
 moment) the files are fsync'd and the journal rows they hold are deleted.
 
 A crash can leave the newest lines only in the journal (or a torn last line
 in a file): :func:`recover`, run when the store opens, completes every file
-from the journal before anything else is written. Everything here runs on
-the store's one writer thread.
+from the journal before anything else is written.
+
+Threads: lines are chained (:meth:`ReceiptJournal.add`) and their batch
+closed (:meth:`~ReceiptJournal.committed`) by whoever holds the store's
+connection. Writing them (:meth:`~ReceiptJournal.write`) and checkpoints are
+the sync step's: the store runs one at a time, never beside an inline commit.
 """
 
 from __future__ import annotations
@@ -23,12 +27,12 @@ import os
 import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from supervisor.faults import crash_point
 from supervisor.receipts import GENESIS_HASH, append_to, fsync_path, last_hash, seal
 
-__all__ = ["CHECKPOINT_ROWS", "JOURNAL_SCHEMA", "ReceiptJournal"]
+__all__ = ["CHECKPOINT_ROWS", "JOURNAL_SCHEMA", "Line", "ReceiptJournal"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,39 +52,55 @@ CREATE TABLE IF NOT EXISTS receipt_journal (
 """
 
 
+class Line(NamedTuple):
+    """One journaled receipt line: its file, its bytes, its journal row."""
+
+    path: str
+    data: bytes
+    seq: int
+
+
 class ReceiptJournal:
     """Chain heads and unsynced lines of every receipt file the store writes.
 
-    The writer thread calls :meth:`add` inside an operation, then
+    The connection's holder calls :meth:`add` inside an operation, then
     :meth:`end_op` when the operation's savepoint is released or rolled back,
-    and :meth:`end_batch` when the transaction committed or failed: a chain
-    head moves only with a committed line.
+    and :meth:`committed` or :meth:`aborted` when the transaction committed
+    or failed: a chain head moves only with a committed line. Once the
+    commit is on disk, :meth:`write` appends its lines to their files.
     """
 
     def __init__(self) -> None:
         self._heads: dict[str, str] = {}  # path -> hash of its last committed line
         self._batch_heads: dict[str, str] = {}
-        self._batch: list[tuple[str, bytes]] = []
-        self._op: list[tuple[str, bytes, str]] = []
+        self._batch: list[Line] = []
+        self._op: list[tuple[Line, str]] = []
         self._dirty: set[str] = set()  # written since the last checkpoint
         self._broken: set[str] = set()  # could not be written: lines stay journaled
-        self._last_seq = 0
-        #: Lines journaled since the last checkpoint.
+        self._next_seq: int | None = None  # read from the table when first needed
+        self._written_seq = 0  # every journal row up to this one is in its file
+        #: Lines written to their files since the last checkpoint.
         self.unsynced = 0
 
     def add(self, conn: sqlite3.Connection, path: Path, receipt: Mapping[str, Any]) -> None:
         """Chain ``receipt`` after its file's head and journal its line."""
         key = str(path)
         line, digest = seal(receipt, self._head(key))
-        cursor = conn.execute(
-            "INSERT INTO receipt_journal (path, hash, line) VALUES (?, ?, ?)", (key, digest, line)
+        if self._next_seq is None:
+            (last,) = conn.execute("SELECT coalesce(max(seq), 0) FROM receipt_journal").fetchone()
+            self._next_seq = int(last) + 1
+        # Numbered here, not by SQLite: a trimmed table would hand out its
+        # numbers again, and a checkpoint deletes "every row up to" a number.
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        conn.execute(
+            "INSERT INTO receipt_journal (seq, path, hash, line) VALUES (?, ?, ?, ?)",
+            (seq, key, digest, line),
         )
-        self._last_seq = max(self._last_seq, cursor.lastrowid or 0)
-        self._op.append((key, line, digest))
+        self._op.append((Line(key, line, seq), digest))
 
     def _head(self, path: str) -> str:
-        for queued, _, digest in reversed(self._op):
-            if queued == path:
+        for queued, digest in reversed(self._op):
+            if queued.path == path:
                 return digest
         head = self._batch_heads.get(path)
         if head is None:
@@ -99,32 +119,45 @@ class ReceiptJournal:
 
     def end_op(self, *, kept: bool) -> None:
         if kept:
-            for path, line, digest in self._op:
-                self._batch.append((path, line))
-                self._batch_heads[path] = digest
+            for line, digest in self._op:
+                self._batch.append(line)
+                self._batch_heads[line.path] = digest
         self._op.clear()
 
-    def end_batch(self, *, committed: bool) -> None:
-        """After ``COMMIT`` (or its failure): move the heads, write the lines."""
+    def committed(self) -> list[Line]:
+        """The transaction committed: move the heads; returns its lines, for
+        :meth:`write` once the commit is on disk."""
         batch, self._batch = self._batch, []
-        heads, self._batch_heads = self._batch_heads, {}
-        if not committed or not batch:
+        self._heads.update(self._batch_heads)
+        self._batch_heads = {}
+        return batch
+
+    def aborted(self) -> None:
+        """The transaction rolled back: its lines were never chained."""
+        self._op.clear()
+        self._batch.clear()
+        self._batch_heads.clear()
+
+    def write(self, lines: list[Line]) -> None:
+        """Append committed, durable lines to their files (page cache, in
+        chain order); a checkpoint fsyncs them later."""
+        if not lines:
             return
-        self._heads.update(heads)
-        self.unsynced += len(batch)
         crash_point("receipt_journaled")
         by_path: dict[str, list[bytes]] = {}
-        for path, line in batch:
-            by_path.setdefault(path, []).append(line)
-        for path, lines in by_path.items():
+        for line in lines:
+            by_path.setdefault(line.path, []).append(line.data)
+        for path, data in by_path.items():
             if path in self._broken:
                 continue
             try:
-                append_to(Path(path), b"".join(lines), fsync=False)
+                append_to(Path(path), b"".join(data), fsync=False)
             except OSError as exc:
                 self._break(path, exc)
             else:
                 self._dirty.add(path)
+        self.unsynced += len(lines)
+        self._written_seq = max(self._written_seq, lines[-1].seq)
 
     def checkpoint(self, conn: sqlite3.Connection) -> None:
         """fsync the files written since the last checkpoint, then delete the
@@ -138,7 +171,7 @@ class ReceiptJournal:
             with contextlib.suppress(OSError):  # a new file's entry in its folder
                 fsync_path(folder)
         self._dirty.clear()
-        done = self._last_seq
+        done = self._written_seq
         broken = sorted(self._broken)
         marks = ", ".join("?" * len(broken))
         conn.execute("BEGIN IMMEDIATE")

@@ -1,15 +1,24 @@
 """The default effect store: one SQLite database in WAL mode (SPEC §6).
 
-One connection, used by one thread at a time. Operations queued while a
-transaction is being committed share the next one (group commit): their
-statements run on the event loop's thread, each inside its own SAVEPOINT so one
-failing operation does not undo its neighbours, and the ``COMMIT`` with its
-fsync runs on a writer thread while the loop keeps serving. The writer touches
-no Python-heavy work, so the two threads do not trade the GIL per statement.
+One connection, used by one thread at a time (under a lock). Operations
+queued in one turn of the event loop share a transaction (group commit):
+their statements run on the loop's thread, each inside its own SAVEPOINT so
+one failing operation does not undo its neighbours, and so does ``COMMIT`` —
+with ``synchronous=NORMAL`` it writes the WAL without waiting for the disk.
+A writer thread then fsyncs the WAL file and only after that answers the
+batch's operations: every batch committed while it fsyncs shares the next
+fsync, and the loop never waits for the disk nor for the writer thread to be
+scheduled. No operation is answered before the fsync that covers its
+transaction (a read too: it may have seen a neighbour's write), so when
+``begin`` returns its ``pending`` row is on disk, as with
+``synchronous=FULL``. A failed fsync fails the operations it covered and
+stops the store.
+
 When nothing could share a transaction (:attr:`SQLiteEffectStore.inline_when`
-says the caller's request is the only one) the commit runs on the loop too: no
-hand-off to the writer and back. ``synchronous=FULL``: when ``begin`` returns,
-its ``pending`` row is on disk. Receipts are journaled in the same transactions
+says the caller's request is the only one) the fsync runs on the loop too: no
+hand-off to the writer and back. The writer also checkpoints the WAL into the
+database (SQLite's automatic checkpoint, which would run inside a ``COMMIT``
+on the loop, is off). Receipts are journaled in the same transactions
 (:mod:`supervisor.stores.journal`): a committed call and its receipt share one
 fsync.
 """
@@ -20,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import queue
 import sqlite3
 import threading
@@ -30,6 +40,7 @@ from typing import Any, Final, TypeVar, cast
 
 from supervisor.errors import StoreUnavailable
 from supervisor.plan import BudgetLimits
+from supervisor.receipts import fsync_path
 from supervisor.stores.base import (
     Begun,
     BudgetUse,
@@ -41,7 +52,7 @@ from supervisor.stores.base import (
     budget_allows,
     charge_refusal,
 )
-from supervisor.stores.journal import CHECKPOINT_ROWS, JOURNAL_SCHEMA, ReceiptJournal
+from supervisor.stores.journal import CHECKPOINT_ROWS, JOURNAL_SCHEMA, Line, ReceiptJournal
 
 __all__ = ["SCHEMA_VERSION", "SQLiteEffectStore", "read_calls"]
 
@@ -55,6 +66,9 @@ SCHEMA_VERSION: Final = 2
 CHECKPOINT_IDLE_S: Final = 0.2
 #: Most operations one transaction takes; the rest wait for the next one.
 MAX_BATCH: Final = 256
+#: Batches between two checkpoints of the WAL into the database (SQLite's own,
+#: inside a COMMIT on the loop, is off).
+WAL_BATCHES: Final = 256
 #: Tries to open a new store while another connection switches it to WAL.
 _OPEN_ATTEMPTS: Final = 20
 _OPEN_BACKOFF_S: Final = 0.01
@@ -111,6 +125,9 @@ _Outcome = tuple[Any, BaseException | None]  # an op's result, or its error
 _Settled = tuple["asyncio.Future[Any]", Any, BaseException | None]
 #: How soon a batch tries again while the writer holds the connection for a checkpoint.
 _BUSY_RETRY_S: Final = 0.001
+#: How long the writer waits for the connection to trim or checkpoint (the
+#: loop holds it for one transaction at a time, never across an await).
+_BUSY_WAIT_S: Final = 1.0
 #: Bound on close() waiting for queued ops.
 CLOSE_DRAIN_S: Final = 30.0
 
@@ -170,8 +187,9 @@ class SQLiteEffectStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        #: Batches to commit (their futures and outcomes); None stops the writer.
-        self._queue: queue.SimpleQueue[tuple[list[asyncio.Future[Any]], list[_Outcome]] | None] = (
+        #: Committed batches to fsync (their answers and receipt lines); None
+        #: stops the writer.
+        self._queue: queue.SimpleQueue[tuple[list[_Settled], list[Line]] | None] = (
             queue.SimpleQueue()
         )
         self._thread: threading.Thread | None = None
@@ -179,7 +197,9 @@ class SQLiteEffectStore:
         self._journal = ReceiptJournal()
         self._conn: sqlite3.Connection | None = None
         self._pending: list[tuple[_Op, asyncio.Future[Any]]] = []
-        self._committing = False  # a batch's COMMIT is on the writer thread
+        self._syncing = 0  # committed batches handed to the writer, not yet answered
+        self._commits = 0  # batches since the last WAL checkpoint (writer thread)
+        self._wal_fd: int | None = None  # the WAL file, fsync'd after each commit
         self._closing = False
         self._failed: BaseException | None = None  # why the writer thread died
         self._scheduled = False  # _start_batch is due on the loop
@@ -204,7 +224,10 @@ class SQLiteEffectStore:
             try:
                 conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
                 conn.execute("PRAGMA journal_mode = WAL")
-                conn.execute("PRAGMA synchronous = FULL")
+                # COMMIT does not fsync; _sync does, before anyone is answered.
+                conn.execute("PRAGMA synchronous = NORMAL")
+                # Not inside a COMMIT on the loop: the writer checkpoints.
+                conn.execute("PRAGMA wal_autocheckpoint = 0")
                 conn.executescript(_SCHEMA)
             except sqlite3.OperationalError as exc:
                 conn.close()
@@ -218,8 +241,37 @@ class SQLiteEffectStore:
                 return conn
         raise AssertionError("unreachable")
 
-    def _serve(self, conn: sqlite3.Connection) -> None:
-        """The writer thread: commits (the fsync) and checkpoints, nothing else."""
+    def _open_wal(self, conn: sqlite3.Connection) -> int:
+        """A descriptor of the WAL file SQLite writes, kept open for the
+        writer's fsyncs. Its name comes from SQLite (which resolves a
+        symlinked database), not from ours. It is fsync'd once now, with its
+        folder: what a killed predecessor committed but never fsync'd is on
+        disk before recovery writes receipt lines for it."""
+        conn.execute("SELECT count(*) FROM meta").fetchone()  # the WAL exists once read
+        database = next(row[2] for row in conn.execute("PRAGMA database_list") if row[1] == "main")
+        fd = os.open(f"{database}-wal", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            fsync_path(os.path.dirname(database))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _sync(self, lines: list[Line]) -> None:
+        """Make what has been committed durable (one fsync of the WAL), then
+        append the committed receipt lines to their files."""
+        assert self._wal_fd is not None
+        os.fsync(self._wal_fd)
+        self._journal.write(lines)
+
+    def _serve(self, conn: sqlite3.Connection, wal_fd: int) -> None:
+        """The writer thread: fsyncs what the loop committed, then answers it;
+        trims the journal and checkpoints the WAL. Every batch committed while
+        it fsyncs shares the next fsync. If anything fails here, the batches
+        it holds and every one queued fail, and the store stops."""
+        assert self._loop is not None
+        held: list[_Settled] = []  # answers taken from the queue, not yet posted
         try:
             while True:
                 try:
@@ -229,35 +281,50 @@ class SQLiteEffectStore:
                 except queue.Empty:
                     self._checkpoint(conn)  # idle: make the receipt files durable
                     continue
-                if job is None:
-                    self._checkpoint(conn)
+                jobs = [job]
+                with contextlib.suppress(queue.Empty):
+                    while jobs[-1] is not None:
+                        jobs.append(self._queue.get_nowait())
+                batches = [j for j in jobs if j is not None]
+                if batches:
+                    held = [s for batch, _ in batches for s in batch]
+                    self._sync([line for _, lines in batches for line in lines])
+                    self._loop.call_soon_threadsafe(self._synced, held, len(batches))
+                    held = []
+                    self._commits += len(batches)
+                    if self._journal.unsynced >= CHECKPOINT_ROWS or self._commits >= WAL_BATCHES:
+                        self._checkpoint(conn, wait=True)
+                if jobs[-1] is None:
+                    self._checkpoint(conn, wait=True)
                     return
-                # _busy was taken on the loop by _start_batch; _committed, back
-                # on the loop, releases it (no race with the next batch there).
-                futures, outcomes = job
-                assert self._loop is not None
-                try:
-                    outcomes = self._finish_batch(conn, outcomes)
-                    if self._journal.unsynced >= CHECKPOINT_ROWS:
-                        self._trim(conn)  # once per CHECKPOINT_ROWS lines: this batch waits
-                except Exception as exc:  # a bug: fail this batch and what waits, not hang
-                    logger.exception("effect store %s: the writer thread failed", self.path)
-                    failed = sqlite3.DatabaseError(f"the writer thread failed: {exc!r}")
-                    self._loop.call_soon_threadsafe(self._committed, [], failed)
-                    lost: list[_Settled] = [(f, None, failed) for f in futures]
-                    self._loop.call_soon_threadsafe(self._committed, lost)
-                    return
-                settled = [(f, *o) for f, o in zip(futures, outcomes, strict=True)]
-                self._loop.call_soon_threadsafe(self._committed, settled)
+        except BaseException as exc:  # a failed fsync, or a bug: fail, never hang or lie
+            logger.exception("effect store %s: the writer thread failed", self.path)
+            failed = sqlite3.DatabaseError(f"the writer thread failed: {exc!r}")
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                lost = [future for future, _, _ in held]
+                self._loop.call_soon_threadsafe(self._writer_died, failed, lost)
         finally:
-            conn.close()
+            # Not under the loop's feet: it may be running a batch right now.
+            if self._busy.acquire(timeout=CLOSE_DRAIN_S):
+                conn.close()
+                self._busy.release()
+            else:
+                logger.error("effect store %s: left open, its connection stayed busy", self.path)
+            os.close(wal_fd)
 
-    def _checkpoint(self, conn: sqlite3.Connection) -> None:
-        """When idle: trim the journal unless a batch holds the connection
-        (its commit trims it when due; the next idle moment retries)."""
-        if self._busy.acquire(blocking=False):
+    def _checkpoint(self, conn: sqlite3.Connection, *, wait: bool = False) -> None:
+        """Trim the journal and checkpoint the WAL into the database, between
+        the loop's transactions (when the connection is free: at once, or
+        within ``_BUSY_WAIT_S`` with ``wait``; else at the next chance)."""
+        if self._busy.acquire(timeout=_BUSY_WAIT_S if wait else 0):
             try:
                 self._trim(conn)
+                if self._commits:
+                    self._commits = 0
+                    try:
+                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    except sqlite3.Error as exc:  # the WAL keeps it; the next one retries
+                        logger.error("effect store %s: WAL checkpoint failed: %s", self.path, exc)
             finally:
                 self._busy.release()
 
@@ -302,21 +369,22 @@ class SQLiteEffectStore:
             return [(None, exc) for _ in ops], False
         return outcomes, True
 
-    def _finish_batch(self, conn: sqlite3.Connection, outcomes: list[_Outcome]) -> list[_Outcome]:
-        """``COMMIT`` (one fsync for the batch), then the journaled lines go
-        to their files; if the commit fails every op gets its error."""
+    def _finish_batch(
+        self, conn: sqlite3.Connection, outcomes: list[_Outcome]
+    ) -> tuple[list[_Outcome], list[Line] | None]:
+        """``COMMIT``; returns the outcomes and the receipt lines to write
+        once :meth:`_sync` has made the commit durable (``None``: the commit
+        failed and every op gets its error)."""
         try:
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
             self._abort(conn)
-            return [(None, exc) for _ in outcomes]
-        self._journal.end_batch(committed=True)
-        return outcomes
+            return [(None, exc) for _ in outcomes], None
+        return outcomes, self._journal.committed()
 
     def _abort(self, conn: sqlite3.Connection) -> None:
         """Roll the batch back, and the journal lines it chained."""
-        self._journal.end_op(kept=False)
-        self._journal.end_batch(committed=False)
+        self._journal.aborted()
         with contextlib.suppress(sqlite3.Error):  # e.g. a connection already closed
             if conn.in_transaction:
                 conn.rollback()
@@ -326,12 +394,13 @@ class SQLiteEffectStore:
     async def _run(self, op: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``op`` in a transaction; returns once that transaction is on disk.
 
-        Ops queued while a commit is being written form the next batch: their
-        statements run on the loop's thread (the connection is used by one
-        thread at a time, under ``_busy``), the ``COMMIT`` and its fsync on the
-        writer thread, so the loop keeps serving while the disk works. A
-        request alone (:attr:`inline_when`) also commits on the loop: there is
-        nothing to overlap, and no hand-off to pay for.
+        Ops queued in one turn of the loop form a batch: its statements and
+        its ``COMMIT`` run on the loop's thread (the connection is used by one
+        thread at a time, under ``_busy``), the fsync that makes it durable on
+        the writer thread, so the loop keeps serving — and committing the next
+        batches — while the disk works. A request alone (:attr:`inline_when`)
+        also fsyncs on the loop: there is nothing to overlap, and no hand-off
+        to pay for.
         """
         if self._thread is None or self._loop is None:
             raise RuntimeError("SQLiteEffectStore used before open() or after close()")
@@ -341,20 +410,14 @@ class SQLiteEffectStore:
         if (
             inline is not None
             and not self._pending
-            and not self._committing
+            and not self._syncing
             and inline()
             and self._busy.acquire(blocking=False)
         ):
             try:
-                assert self._conn is not None
-                outcomes, open_ = self._begin_batch(self._conn, [op])
-                if open_:
-                    outcomes = self._finish_batch(self._conn, outcomes)
-                if self._journal.unsynced >= CHECKPOINT_ROWS:
-                    self._trim(self._conn)  # once per CHECKPOINT_ROWS lines
+                [(result, error)] = self._commit_inline(op)
             finally:
                 self._busy.release()
-            [(result, error)] = outcomes
             if isinstance(error, sqlite3.Error):
                 raise StoreUnavailable(f"effect store {self.path}: {error}") from error
             if error is not None:
@@ -369,22 +432,42 @@ class SQLiteEffectStore:
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"effect store {self.path}: {exc}") from exc
 
+    def _commit_inline(self, op: _Op) -> list[_Outcome]:
+        """One op's transaction and its fsync, here and now (under ``_busy``,
+        with nothing handed to the writer: its files are ours meanwhile)."""
+        assert self._conn is not None
+        outcomes, open_ = self._begin_batch(self._conn, [op])
+        if open_:
+            outcomes, lines = self._finish_batch(self._conn, outcomes)
+            self._commits += 1  # approximate (two threads): when to checkpoint the WAL
+            if lines is not None:
+                try:
+                    self._sync(lines)
+                except OSError as exc:  # committed, but perhaps not on disk: stop
+                    logger.exception("effect store %s: fsync failed", self.path)
+                    self._failed = sqlite3.DatabaseError(f"fsync failed: {exc!r}")
+                    return [(None, self._failed)]
+        if self._journal.unsynced >= CHECKPOINT_ROWS:
+            self._trim(self._conn)  # once per CHECKPOINT_ROWS lines
+        return outcomes
+
     def _kick(self) -> None:
-        """Start the next batch at the end of this loop iteration, unless a
-        commit is being written (its completion kicks again)."""
-        if self._pending and not self._committing and not self._scheduled:
+        """Start the next batch at the end of this loop iteration."""
+        if self._pending and not self._scheduled:
             assert self._loop is not None
             self._scheduled = True
             self._loop.call_soon(self._start_batch)
-        elif not self._pending and not self._committing and not self._scheduled:
+        elif not (self._pending or self._syncing or self._scheduled):
             self._idle.set()
 
     def _start_batch(self) -> None:
+        """Run and commit the queued ops (on the loop), then hand the batch to
+        the writer to fsync; nobody is answered before that fsync."""
         self._scheduled = False
         if self._failed is not None or self._closing:
             self._fail_pending()
             return
-        if self._committing or not self._pending:
+        if not self._pending:
             self._kick()
             return
         if not self._busy.acquire(blocking=False):  # the writer is checkpointing
@@ -396,40 +479,58 @@ class SQLiteEffectStore:
         assert self._conn is not None
         try:
             outcomes, open_ = self._begin_batch(self._conn, [op for op, _ in batch])
-        except BaseException:
-            self._busy.release()
-            raise
-        if not open_:  # nothing to commit: the ops failed
-            self._busy.release()
-            _settle([(f, *o) for (_, f), o in zip(batch, outcomes, strict=True)])
-            self._kick()
-            return
-        self._committing = True  # _busy stays held until the writer has committed
-        self._queue.put(([f for _, f in batch], outcomes))
-
-    def _committed(self, settled: list[_Settled], failed: BaseException | None = None) -> None:
-        if failed is not None:  # the writer thread is gone: nothing more will commit
-            self._failed = failed
+            lines = None
+            if open_:
+                outcomes, lines = self._finish_batch(self._conn, outcomes)
+        except Exception as exc:  # a bug: the batch's fate is unclear, so stop the store
+            logger.exception("effect store %s: a batch failed", self.path)
+            self._abort(self._conn)
+            self._failed = sqlite3.DatabaseError(f"the effect store failed: {exc!r}")
+            _settle([(f, None, self._failed) for _, f in batch])
             self._fail_pending()
             return
-        self._committing = False
-        self._busy.release()
-        try:
-            if self._pending and not self._scheduled:
-                # What queued up during the commit goes to the disk now, not a
-                # loop turn later: the commit is the one serial step.
-                self._scheduled = True
-                self._start_batch()
         finally:
+            self._busy.release()
+        settled = [(f, *o) for (_, f), o in zip(batch, outcomes, strict=True)]
+        if lines is None:  # nothing committed: the ops failed, nothing to wait for
             _settle(settled)
-            self._kick()
+        else:
+            self._syncing += 1
+            self._queue.put((settled, lines))
+        self._kick()
+
+    def _synced(self, settled: list[_Settled], batches: int) -> None:
+        """The writer's fsync covered these batches: answer their ops."""
+        self._syncing -= batches
+        _settle(settled)
+        self._kick()
+
+    def _writer_died(self, failed: BaseException, futures: list[asyncio.Future[Any]]) -> None:
+        """Nothing more will be made durable: fail the batches the writer
+        held, those handed to it meanwhile, and what waits."""
+        self._failed = failed
+        _settle([(f, None, failed) for f in futures])
+        self._fail_queued(failed)
+        self._fail_pending()
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Answer every batch still in the writer's queue with ``error``
+        (the writer is gone)."""
+        self._syncing = 0
+        lost: list[asyncio.Future[Any]] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                job = self._queue.get_nowait()
+                if job is not None:
+                    lost.extend(future for future, _, _ in job[0])
+        _settle([(f, None, error) for f in lost])
 
     def _fail_pending(self) -> None:
         """Answer every queued op with an error (the store is closing or broken)."""
         pending, self._pending = self._pending, []
         error = self._failed or sqlite3.OperationalError("the effect store was closed")
         _settle([(future, None, error) for _, future in pending])
-        if not self._committing:
+        if not self._syncing:
             self._idle.set()
 
     # -- lifecycle ----------------------------------------------------------
@@ -441,16 +542,21 @@ class SQLiteEffectStore:
             conn = await asyncio.to_thread(self._connect)
         except (sqlite3.Error, OSError) as exc:  # OSError: the folder cannot be made
             raise StoreUnavailable(f"cannot open effect store {self.path}: {exc}") from exc
+        try:
+            self._wal_fd = await asyncio.to_thread(self._open_wal, conn)
+        except (sqlite3.Error, OSError) as exc:
+            conn.close()
+            raise StoreUnavailable(f"cannot open effect store {self.path}: {exc}") from exc
         self._loop = asyncio.get_running_loop()
         self._conn = conn
         self._idle = asyncio.Event()
         self._idle.set()
         # A fresh start also after an open() that failed and closed.
         self._journal = ReceiptJournal()
-        self._pending, self._committing, self._scheduled = [], False, False
+        self._pending, self._scheduled, self._syncing, self._commits = [], False, 0, 0
         self._closing, self._failed = False, None
         self._thread = threading.Thread(
-            target=self._serve, args=(conn,), name="hostcall-sqlite", daemon=True
+            target=self._serve, args=(conn, self._wal_fd), name="hostcall-sqlite", daemon=True
         )
         self._thread.start()
 
@@ -493,6 +599,9 @@ class SQLiteEffectStore:
             self._fail_pending()
             self._queue.put(None)
             await asyncio.to_thread(thread.join)
+            self._wal_fd = None  # the writer closed it
+            # A batch the writer never took (it failed first) fails too.
+            self._fail_queued(self._failed or sqlite3.OperationalError("the store was closed"))
 
     # -- invocations and budget -------------------------------------------
 

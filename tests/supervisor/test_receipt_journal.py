@@ -232,16 +232,17 @@ async def test_with_every_commit_inline_the_journal_is_still_trimmed_when_idle(
     assert verify_chain(path) == (5, None)
 
 
-async def test_a_writer_thread_that_dies_fails_the_waiting_ops_instead_of_hanging(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("step", ["_sync", "_finish_batch"])  # the writer's, the loop's
+async def test_a_batch_that_breaks_fails_the_waiting_ops_instead_of_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str
 ) -> None:
     store = SQLiteEffectStore(tmp_path / "effects.db")
     await store.open()
 
     def broken(*_: object) -> object:
-        raise RuntimeError("a bug in the writer")
+        raise RuntimeError("a bug in the store")
 
-    monkeypatch.setattr(store, "_finish_batch", broken)
+    monkeypatch.setattr(store, step, broken)
     try:
         async with asyncio.timeout(STEP_TIMEOUT_S):
             first = asyncio.ensure_future(store.get("inv_j", "c1"))
