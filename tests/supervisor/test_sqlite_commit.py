@@ -14,7 +14,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ import pytest
 import supervisor.stores.sqlite as sqlite_store
 from supervisor.errors import StoreUnavailable
 from supervisor.stores import EffectStatus, SQLiteEffectStore, StartCall
-from tests.harness import STEP_TIMEOUT_S
+from tests.harness import STEP_TIMEOUT_S, wait_until
 
 
 def _start(call_id: str) -> StartCall:
@@ -58,42 +58,47 @@ def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldFsync]:
     held.release.set()  # never leave the writer thread waiting
 
 
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SQLiteEffectStore]:
+    store = SQLiteEffectStore(tmp_path / "effects.db")
+    await store.open()
+    try:
+        yield store
+    finally:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await store.close()
+
+
 async def test_no_operation_is_answered_before_the_fsync_that_covers_it(
-    tmp_path: Path, held: HeldFsync
+    store: SQLiteEffectStore, held: HeldFsync
 ) -> None:
-    store = SQLiteEffectStore(tmp_path / "effects.db")
-    await store.open()
-    try:
-        held.fd = store._wal_fd
-        begin = asyncio.ensure_future(store.begin(_start("c1"), time.time()))
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            assert await asyncio.to_thread(held.entered.wait, STEP_TIMEOUT_S)
-        # The row is committed (the connection reads it back) but the WAL is
-        # not yet on disk: neither the begin nor a read that saw it answers.
-        read = asyncio.ensure_future(store.get("inv_p", "c1"))
-        for _ in range(20):  # many loop turns: the read's own batch commits meanwhile
-            await asyncio.sleep(0)
-        assert not begin.done()
-        assert not read.done()
-        assert held.synced == 0
-        held.release.set()
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            begun = await begin
-            record = await read
-        assert begun.won
-        assert held.synced >= 1
-        assert record is not None and record.status is EffectStatus.PENDING
-    finally:
-        held.release.set()
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            await store.close()
+    held.fd = store._wal_fd
+    begin = asyncio.ensure_future(store.begin(_start("c1"), time.time()))
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        assert await asyncio.to_thread(held.entered.wait, STEP_TIMEOUT_S)
+    # The row is committed (the connection reads it back) but the WAL is
+    # not yet on disk: neither the begin nor a read that saw it answers.
+    read = asyncio.ensure_future(store.get("inv_p", "c1"))
+    # The read's own batch runs and commits meanwhile (pipelined), and waits.
+    await wait_until(lambda: store._syncing == 2, "the read's batch to reach the writer")
+    assert not begin.done()
+    assert not read.done()
+    assert held.synced == 0
+    held.release.set()
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        begun = await begin
+        record = await read
+    assert begun.won
+    assert held.synced >= 1
+    assert record is not None and record.status is EffectStatus.PENDING
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["writer", "inline"])
 async def test_a_failed_fsync_fails_the_operation_and_stops_the_store(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: SQLiteEffectStore, monkeypatch: pytest.MonkeyPatch, inline: bool
 ) -> None:
-    store = SQLiteEffectStore(tmp_path / "effects.db")
-    await store.open()
+    if inline:
+        store.inline_when = lambda: True  # one request alone: it fsyncs on the loop
     real = os.fsync
 
     def fsync(fd: int) -> None:
@@ -102,50 +107,19 @@ async def test_a_failed_fsync_fails_the_operation_and_stops_the_store(
         real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    try:
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            with pytest.raises(StoreUnavailable):
-                await store.begin(_start("c1"), time.time())
-            # What the disk may have lost is never reported; nothing more commits.
-            with pytest.raises(StoreUnavailable):
-                await store.get("inv_p", "c1")
-    finally:
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            await store.close()
-
-
-async def test_a_failed_fsync_of_an_inline_commit_fails_it_too(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = SQLiteEffectStore(tmp_path / "effects.db")
-    await store.open()
-    store.inline_when = lambda: True  # one request alone: commits on the loop
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        if fd == store._wal_fd:
-            raise OSError(5, "Input/output error")
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    try:
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            with pytest.raises(StoreUnavailable):
-                await store.begin(_start("c1"), time.time())
-            with pytest.raises(StoreUnavailable):
-                await store.get("inv_p", "c1")
-    finally:
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            await store.close()
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        with pytest.raises(StoreUnavailable):
+            await store.begin(_start("c1"), time.time())
+        # What the disk may have lost is never reported; nothing more commits.
+        with pytest.raises(StoreUnavailable):
+            await store.get("inv_p", "c1")
 
 
 async def test_a_failed_fsync_while_the_loop_runs_the_next_batch_fails_both_cleanly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: SQLiteEffectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The writer stops on a failed fsync while the loop is inside the next
     batch's statements: it must not close the connection under them."""
-    store = SQLiteEffectStore(tmp_path / "effects.db")
-    await store.open()
     syncing, running = threading.Event(), threading.Event()
     real = os.fsync
 
@@ -165,19 +139,13 @@ async def test_a_failed_fsync_while_the_loop_runs_the_next_batch_fails_both_clea
         )
 
     monkeypatch.setattr(os, "fsync", fsync)
-    try:
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            begin = asyncio.ensure_future(store.begin(_start("c1"), time.time()))
-            # Its batch is committed and the writer is in its fsync: the next
-            # batch is the loop's alone.
-            assert await asyncio.to_thread(syncing.wait, STEP_TIMEOUT_S)
-            outcomes = await asyncio.gather(
-                begin, store._run(long_statement), return_exceptions=True
-            )
-        assert all(isinstance(o, StoreUnavailable) for o in outcomes), outcomes
-    finally:
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            await store.close()
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        begin = asyncio.ensure_future(store.begin(_start("c1"), time.time()))
+        # Its batch is committed and the writer is in its fsync: the next
+        # batch is the loop's alone.
+        assert await asyncio.to_thread(syncing.wait, STEP_TIMEOUT_S)
+        outcomes = await asyncio.gather(begin, store._run(long_statement), return_exceptions=True)
+    assert all(isinstance(o, StoreUnavailable) for o in outcomes), outcomes
 
 
 async def test_a_writer_that_fails_after_answering_fails_what_comes_next_and_closes(
