@@ -1,7 +1,8 @@
 """The SQLite store's pipelined commit (supervisor/stores/sqlite.py).
 
-``COMMIT`` runs with ``synchronous=NORMAL`` and the writer fsyncs the WAL
-itself, so the next batch's statements run during the fsync. What must hold:
+The loop runs a batch's ``COMMIT`` with ``synchronous=NORMAL`` and the writer
+fsyncs the WAL itself, so the loop commits the next batches during the fsync.
+What must hold:
 no operation is answered before the fsync that covers its transaction, and
 a failed fsync answers an error and stops the store — it never reports a
 commit the disk may not have.
