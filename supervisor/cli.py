@@ -21,6 +21,7 @@ from supervisor.ids import is_valid_id
 from supervisor.limits import Limits
 from supervisor.plan import Plan
 from supervisor.receipts import verify_chain
+from supervisor.statedir import chosen_state_dir
 from supervisor.stores.sqlite import read_calls
 from supervisor.supervisor import RunOutcome, Supervisor
 
@@ -35,10 +36,8 @@ EXIT_NOT_FOUND: Final = 127
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
-    """``--state-dir`` (given anywhere on the line), else ``$HOSTCALL_STATE_DIR``,
-    else ``./.hostcall`` (SPEC §9)."""
-    value = getattr(args, "state_dir", None)
-    return Path(value or os.environ.get("HOSTCALL_STATE_DIR") or ".hostcall")
+    """``--state-dir``, given anywhere on the line, or the default (SPEC §9)."""
+    return chosen_state_dir(getattr(args, "state_dir", None))
 
 
 def _id(value: str) -> str:
@@ -190,7 +189,7 @@ async def _run(args: argparse.Namespace) -> int:
 async def _demo(args: argparse.Namespace) -> int:
     from supervisor.demo import run_demo
 
-    return await run_demo(getattr(args, "state_dir", None), auto_approve=not args.manual_approval)
+    return await run_demo(_state_dir(args), auto_approve=not args.manual_approval)
 
 
 async def _serve(args: argparse.Namespace) -> int:

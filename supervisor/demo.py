@@ -32,6 +32,7 @@ from typing import Any, Final
 import supervisor
 from supervisor.approvals import Proposal
 from supervisor.plan import Plan
+from supervisor.statedir import chosen_state_dir
 from supervisor.stores.base import EffectRecord
 from supervisor.supervisor import Supervisor
 
@@ -74,7 +75,7 @@ def example_dir() -> Path:
     return folder
 
 
-async def run_demo(state_dir: str | None, *, auto_approve: bool = True) -> int:
+async def run_demo(state_dir: str | os.PathLike[str] | None, *, auto_approve: bool = True) -> int:
     """Run the billing example and print what happened; returns the agent's exit status.
 
     Returns ``EXIT_NO_EXAMPLE`` (after saying why on stderr) when the example
@@ -139,10 +140,9 @@ async def run_demo(state_dir: str | None, *, auto_approve: bool = True) -> int:
     return outcome.exit_status
 
 
-def _state_dir(given: str | None) -> tuple[Path, Path]:
-    """The state dir as given (SPEC §9: ``--state-dir``, else
-    ``$HOSTCALL_STATE_DIR``, else ``./.hostcall``), and made absolute."""
-    path = Path(given or os.environ.get("HOSTCALL_STATE_DIR") or ".hostcall")
+def _state_dir(given: str | os.PathLike[str] | None) -> tuple[Path, Path]:
+    """The state dir as chosen (SPEC §9), and made absolute."""
+    path = chosen_state_dir(given)
     return path, path.absolute()
 
 

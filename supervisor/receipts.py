@@ -187,7 +187,7 @@ class ReceiptLog:
         self._prev_hash: str | None = None
         self._queue: list[tuple[bytes, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
-        self._fd: int | None = None  # kept open when not fsyncing
+        self._fd: int | None = None  # opened on the first write, closed with the log
         self._folder_synced = False
 
     async def append(self, **fields: Any) -> str:
@@ -229,12 +229,9 @@ class ReceiptLog:
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
-                try:
-                    await asyncio.get_running_loop().run_in_executor(
-                        self._executor, self._write, b"".join(line for line, _ in batch)
-                    )
-                except OSError as exc:
-                    _cannot_write(self.path, exc)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._write, b"".join(line for line, _ in batch)
+                )
                 for _, done in batch:
                     if not done.done():
                         done.set_result(None)
@@ -242,17 +239,16 @@ class ReceiptLog:
             self._flusher = None
 
     def _write(self, data: bytes) -> None:
-        if self._fsync:
-            append_to(self.path, data, fsync=True)
-            if not self._folder_synced:  # the new file's entry in its folder, once
-                fsync_path(self.path.parent)
-                self._folder_synced = True
-            return
         try:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
                 weakref.finalize(self, os.close, self._fd)
             _write_all(self._fd, data)
+            if self._fsync:
+                os.fsync(self._fd)
+                if not self._folder_synced:  # the new file's entry in its folder, once
+                    fsync_path(self.path.parent)
+                    self._folder_synced = True
         except OSError as exc:
             _cannot_write(self.path, exc)
 

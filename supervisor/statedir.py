@@ -8,11 +8,22 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Final
 
 from supervisor.errors import StateDirBusy, UnsafeStateDir
 from supervisor.sockets import MAX_SOCKET_PATH
 
-__all__ = ["StateDir"]
+__all__ = ["StateDir", "chosen_state_dir"]
+
+#: Where a command keeps its state when neither ``--state-dir`` nor the
+#: environment names a place (SPEC §9).
+DEFAULT_STATE_DIR: Final = ".hostcall"
+
+
+def chosen_state_dir(given: str | os.PathLike[str] | None) -> Path:
+    """``given`` (``--state-dir``), else ``$HOSTCALL_STATE_DIR``, else
+    ``./.hostcall`` (SPEC §9)."""
+    return Path(given or os.environ.get("HOSTCALL_STATE_DIR") or DEFAULT_STATE_DIR)
 
 
 class StateDir:

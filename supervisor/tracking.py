@@ -24,7 +24,7 @@ import ctypes.util
 import itertools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -263,13 +263,20 @@ def _child_pids() -> list[int]:
     return pids
 
 
-def _adopted_children() -> list[psutil.Process]:
+def _adopted_children(pids: Iterable[int] | None = None) -> list[psutil.Process]:
+    """Our children (``pids``, else read now) that came to us as orphans. The
+    cheap checks first: a guest root or a child in our session needs no
+    psutil object."""
+    own_session = os.getsid(0)
     found = []
-    for pid in _child_pids():
-        with contextlib.suppress(psutil.Error):
-            child = psutil.Process(pid)
-            if _is_adopted(child):
-                found.append(child)
+    for pid in _child_pids() if pids is None else pids:
+        if pid in _guest_roots:
+            continue
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(pid) != own_session:
+                child = psutil.Process(pid)
+                if _is_adopted(child):
+                    found.append(child)
     return found
 
 
@@ -448,16 +455,7 @@ class TreeTracker:
         """One pass over ``/proc`` for every tree: adopt orphans, measure, check limits."""
         snapshot = proc_snapshot()
         children_of = process_map(snapshot)
-        adopted = []
-        own_session = os.getsid(0)
-        for pid in children_of.get(os.getpid(), ()):
-            if pid in _guest_roots:
-                continue  # a guest we launched, not an orphan
-            with contextlib.suppress(psutil.Error, OSError):
-                if os.getsid(pid) != own_session:
-                    child = psutil.Process(pid)
-                    if _is_adopted(child):
-                        adopted.append(child)
+        adopted = _adopted_children(children_of.get(os.getpid(), ()))
         for tree in list(self._trees.values()):
             for orphan in self.orphans_of(tree, adopted):
                 with contextlib.suppress(psutil.Error):

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.machinery
+import importlib.util
 import itertools
 import json
+import os
 import sys
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from supervisor import Plan, Supervisor, tool
@@ -261,3 +265,20 @@ async def hostcall_cli(*args: str) -> tuple[int, str, str]:
             await process.wait()
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()
+
+
+def without_hostcall_env() -> dict[str, str]:
+    """This process's environment without ``HOSTCALL_*``: a child ``hostcall``
+    then picks its state dir and store as a user's fresh shell would."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("HOSTCALL_")}
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """Import a script without a ``.py`` ending (``scripts/faults``) as ``name``."""
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    spec = importlib.util.spec_from_loader(name, loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    loader.exec_module(module)
+    return module

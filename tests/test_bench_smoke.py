@@ -5,13 +5,14 @@ a run this short mean nothing, only their presence and shape are tested."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.harness import without_hostcall_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "scripts" / "benchmarks" / "run.py"
@@ -57,7 +58,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     folder = tmp_path_factory.mktemp("bench")
     out = folder / "bench.json"
     plot = folder / "bench.png"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("HOSTCALL_")}
+    env = without_hostcall_env()
     completed = subprocess.run(
         [
             sys.executable,

@@ -32,6 +32,7 @@ import supervisor.demo
 from supervisor.admin_client import AdminClient
 from supervisor.demo import EXIT_NO_EXAMPLE, example_dir, run_demo
 from supervisor.plan import Plan
+from tests.harness import without_hostcall_env
 
 #: Upper bound for the whole demo (it takes about a second).
 DEMO_TIMEOUT_S = 120
@@ -58,7 +59,7 @@ def demo_run(
     completed = subprocess.run(
         [*_CLI, "demo", "--state-dir", str(state_dir), "--auto-approve"],
         cwd=workdir,
-        env=_clean_env(),
+        env=without_hostcall_env(),
         capture_output=True,
         text=True,
         timeout=DEMO_TIMEOUT_S,
@@ -68,10 +69,6 @@ def demo_run(
 
 
 _CLI = (sys.executable, "-m", "supervisor.cli")
-
-
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("HOSTCALL_")}
 
 
 def _rows(output: str, call_id: str) -> list[list[str]]:
@@ -212,7 +209,7 @@ def start_demo(tmp_path: Path) -> Iterator[tuple[_RunningDemo, Path]]:
         process = subprocess.Popen(
             [*_CLI, "demo", "--manual-approval", "--state-dir", "st"],
             cwd=tmp_path,
-            env=_clean_env(),
+            env=without_hostcall_env(),
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -238,7 +235,7 @@ def _second_terminal(command: str, cwd: Path) -> subprocess.CompletedProcess[str
     return subprocess.run(
         [*_CLI, *argv[1:]],
         cwd=cwd,
-        env=_clean_env(),
+        env=without_hostcall_env(),
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT_S,
@@ -355,7 +352,7 @@ def test_plain_hostcall_demo_runs_unattended_in_the_default_state_dir(tmp_path: 
         completed = subprocess.run(
             [*_CLI, "demo"],
             cwd=tmp_path,
-            env=_clean_env(),
+            env=without_hostcall_env(),
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import psutil
+from loadgen import point_args
 
 from supervisor import Plan, Supervisor
 
@@ -74,25 +75,11 @@ class RssSampler:
         return self.peak
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _loadgen(out: Path, inflight: int, warmup: float, duration: float, *extra: str) -> list[str]:
     return [
         sys.executable,
         str(LOADGEN),
-        "--tools",
-        "noop",
-        "--inflight",
-        str(inflight),
-        "--warmup",
-        str(warmup),
-        "--duration",
-        str(duration),
-        "--out",
-        str(out),
+        *point_args(out, "noop", [inflight], warmup, duration),
         *extra,
     ]
 
@@ -174,10 +161,10 @@ async def many(args: argparse.Namespace) -> dict[str, Any]:
             await _wait_ready(ready_read, args.guests)
             close(go_read)
             close(ready_write)
-            cpu0, started = _cpu_seconds(), time.perf_counter()
+            cpu0, started = time.process_time(), time.perf_counter()
             close(go_write)  # every guest sees end of file at once: go
             await asyncio.sleep(args.duration)
-            cpu1, seconds = _cpu_seconds(), time.perf_counter() - started
+            cpu1, seconds = time.process_time(), time.perf_counter() - started
             async with asyncio.timeout(budget):
                 outcomes = await asyncio.gather(*runs)
         finally:

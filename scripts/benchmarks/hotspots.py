@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from typing import Final
 
+from loadgen import point_args
+from run import hostcall_run_argv
+
 HERE: Final = Path(__file__).resolve().parent
 ROOT: Final = HERE.parents[1]
 #: Frames that are plumbing, not a place to optimise: left out of the tables.
@@ -81,7 +84,7 @@ def _frame_name(frame: str) -> str:
     if match is None:
         return frame
     path = match.group("file")
-    for marker in ("site-packages/", "/work/main/", str(ROOT) + "/"):
+    for marker in ("site-packages/", str(ROOT) + "/"):
         if marker in path:
             path = path.split(marker, 1)[1]
     return f"{match.group('func')} ({path})"
@@ -171,35 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     warmup_s = 3.0
     with tempfile.TemporaryDirectory(prefix="hostcall-profile-") as scratch:
         work = Path(scratch)
+        options = point_args(
+            work / "load.json", args.tool, [args.inflight], warmup_s, args.seconds + 2
+        )
+        guest = [sys.executable, str(HERE / "loadgen.py"), "--server-pid", "parent", *options]
         supervisor = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "supervisor.cli",
-                "run",
-                "--state-dir",
-                str(work / "state"),
-                "--store",
-                args.store,
-                "--plan",
-                str(HERE / "plan.toml"),
-                "--",
-                sys.executable,
-                str(HERE / "loadgen.py"),
-                "--server-pid",
-                "parent",
-                "--tools",
-                args.tool,
-                "--inflight",
-                str(args.inflight),
-                "--warmup",
-                str(warmup_s),
-                "--duration",
-                str(args.seconds + 2),
-                "--out",
-                str(work / "load.json"),
-            ],
-            cwd=ROOT,
+            [sys.executable, *hostcall_run_argv(work / "state", args.store, guest)], cwd=ROOT
         )
         try:
             time.sleep(warmup_s)  # startup and the load generator's own warm-up

@@ -25,10 +25,9 @@ import itertools
 import json
 import math
 import os
-import resource
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -73,11 +72,6 @@ class _Window:
 #: ``check`` says whether the answer must be checked (the first one is, and
 #: every one that is not a plain success).
 CallOnce = Callable[[bool], Awaitable["str | None"]]
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def server_cpu_reader(pid: int | None) -> Callable[[], float] | None:
@@ -147,14 +141,14 @@ async def measure(
         if gate is not None:
             await gate()
         _raise_failed(workers)
-        client0 = _cpu_seconds()
+        client0 = time.process_time()
         server0 = server_cpu() if server_cpu is not None else None
         started = time.perf_counter()
         window.recording = True
         await asyncio.sleep(duration_s)
         window.recording = False
         seconds = time.perf_counter() - started
-        client1 = _cpu_seconds()
+        client1 = time.process_time()
         server1 = server_cpu() if server_cpu is not None else None
     finally:
         window.stop = True
@@ -211,39 +205,25 @@ class HttpLoad:
             n,
         )
 
-    async def point(
-        self,
-        tool: str,
-        inflight: int,
-        *,
-        warmup_s: float,
-        duration_s: float,
-        server_cpu: Callable[[], float] | None,
-        gate: Callable[[], Awaitable[None]] | None = None,
-    ) -> dict[str, Any]:
-        """One point: a pool of ``inflight`` connections, one call in flight on each."""
+    def session(self, inflight: int) -> aiohttp.ClientSession:
+        """A pool of ``inflight`` connections: one call in flight on each."""
         connector = aiohttp.UnixConnector(path=self.socket_path, limit=inflight)
         timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
-            async def call(check: bool) -> str | None:
-                body = self._body(tool)
-                async with session.post(URL, data=body, headers=self.headers) as response:
-                    answer = await response.read()
-                    status = response.status
-                if status != 200 or check:
-                    return self._check(status, body, answer)
-                return None
+    def caller(self, session: aiohttp.ClientSession, tool: str) -> CallOnce:
+        """One call of ``tool`` through ``session`` (for :func:`measure`)."""
 
-            result = await measure(
-                call,
-                inflight,
-                warmup_s=warmup_s,
-                duration_s=duration_s,
-                server_cpu=server_cpu,
-                gate=gate,
-            )
-        return {"tool": tool, **result}
+        async def call(check: bool) -> str | None:
+            body = self._body(tool)
+            async with session.post(URL, data=body, headers=self.headers) as response:
+                answer = await response.read()
+                status = response.status
+            if status != 200 or check:
+                return self._check(status, body, answer)
+            return None
+
+        return call
 
 
 def _raise_failed(workers: list[asyncio.Task[None]]) -> None:
@@ -296,13 +276,36 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--server-pid", help="pid whose CPU is the server's; 'parent' for the supervisor"
     )
+    add_point_args(parser)
+    parser.add_argument("--gate", action="store_true", help="wait for the driver's go")
+    return parser
+
+
+def add_point_args(parser: argparse.ArgumentParser) -> None:
+    """The options of every load generator here (this one, ``mcp_client.py``)."""
     parser.add_argument("--tools", default="noop", help="comma-separated tool names")
     parser.add_argument("--inflight", default="1,2,4,8,16,32", help="comma-separated")
     parser.add_argument("--warmup", type=float, default=0.5, help="seconds per point")
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per point")
-    parser.add_argument("--gate", action="store_true", help="wait for the driver's go")
     parser.add_argument("--out", required=True, type=Path, help="where to write the JSON")
-    return parser
+
+
+def point_args(
+    out: Path, tools: str, inflight: Sequence[int], warmup_s: float, duration_s: float
+) -> list[str]:
+    """Those options on a command line (see :func:`add_point_args`)."""
+    return [
+        "--tools",
+        tools,
+        "--inflight",
+        ",".join(map(str, inflight)),
+        "--warmup",
+        str(warmup_s),
+        "--duration",
+        str(duration_s),
+        "--out",
+        str(out),
+    ]
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
@@ -326,16 +329,16 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     points = []
     for tool in args.tools.split(","):
         for inflight in (int(n) for n in args.inflight.split(",")):
-            points.append(
-                await load.point(
-                    tool,
+            async with load.session(inflight) as session:
+                result = await measure(
+                    load.caller(session, tool),
                     inflight,
                     warmup_s=args.warmup,
                     duration_s=args.duration,
                     server_cpu=server_cpu,
                     gate=_wait_for_go if args.gate else None,
                 )
-            )
+            points.append({"tool": tool, **result})
     return {"target": args.target, "pid": os.getpid(), "points": points}
 
 

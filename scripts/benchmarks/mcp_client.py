@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from loadgen import measure, server_cpu_reader
+from loadgen import add_point_args, measure, server_cpu_reader
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
@@ -73,11 +73,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Run the points given on the command line and write their JSON to ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tools", default="noop")
-    parser.add_argument("--inflight", default="1,2,4,8,16,32")
-    parser.add_argument("--warmup", type=float, default=0.5)
-    parser.add_argument("--duration", type=float, default=2.0)
-    parser.add_argument("--out", required=True, type=Path)
+    add_point_args(parser)
     args = parser.parse_args(argv)
     import uvloop
 

@@ -85,9 +85,7 @@ def checks(results: dict[str, Any]) -> list[Check]:
         return _field(results, target, inflight, "p50_us")
 
     fsync = results.get("fsync", {}).get("p50_us")
-    added = None
-    if p50("hostcall-sqlite", 1) is not None and p50("hostcall-memory", 1) is not None:
-        added = round(p50("hostcall-sqlite", 1) - p50("hostcall-memory", 1), 1)  # type: ignore[operator]
+    added = _diff(p50("hostcall-sqlite", 1), p50("hostcall-memory", 1))
     mcp_note = ""
     if results["targets"].get("mcp-stdio", {}).get("status") != "ok":
         mcp_note = "MCP skipped: " + results["targets"].get("mcp-stdio", {}).get("reason", "")

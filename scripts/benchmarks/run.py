@@ -27,6 +27,7 @@ issue 8, writes JSON to ``bench-results/bench-<time>.json`` (and ``--json``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -41,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import loadgen
 import report
 import system
 
@@ -104,42 +106,59 @@ class ChildFailed(RuntimeError):
     """A benchmark process exited non-zero or timed out."""
 
 
-def _run(argv: list[str], timeout_s: float, *, env: dict[str, str] | None = None) -> None:
+def _child_json(name: str, argv: list[str], out: Path, timeout_s: float) -> Any:
+    """Run one benchmark process (python ``argv``) and read the JSON it wrote to ``out``."""
     try:
         done = subprocess.run(
-            argv,
+            [sys.executable, *argv],
             cwd=ROOT,
             capture_output=True,
             text=True,
             timeout=timeout_s,
-            env=env,
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        raise ChildFailed(f"{Path(argv[1]).name} ran over {timeout_s:.0f} s") from exc
+        raise ChildFailed(f"{name} ran over {timeout_s:.0f} s") from exc
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-12:]
         raise ChildFailed(f"exit {done.returncode}: " + " / ".join(tail))
+    return json.loads(out.read_text())
 
 
-def _loadgen_args(settings: Settings, out: Path, tools: str) -> list[str]:
+def _load_args(settings: Settings, out: Path, tools: str) -> list[str]:
+    return loadgen.point_args(out, tools, settings.inflight, settings.warmup_s, settings.duration_s)
+
+
+def _points(result: dict[str, Any], tool: str) -> list[dict[str, Any]]:
+    return [p for p in result["points"] if p["tool"] == tool]
+
+
+def hostcall_run_argv(state_dir: Path, store: str, guest: list[str]) -> list[str]:
+    """``python -m supervisor.cli run`` (arguments after the interpreter) under
+    the benchmark plan, with ``guest`` as its guest."""
     return [
-        "--tools",
-        tools,
-        "--inflight",
-        ",".join(map(str, settings.inflight)),
-        "--warmup",
-        str(settings.warmup_s),
-        "--duration",
-        str(settings.duration_s),
-        "--out",
-        str(out),
+        "-m",
+        "supervisor.cli",
+        "run",
+        "--state-dir",
+        str(state_dir),
+        "--store",
+        store,
+        "--plan",
+        str(PLAN),
+        "--",
+        *guest,
     ]
 
 
-def _points(out: Path, tool: str) -> list[dict[str, Any]]:
-    points = json.loads(out.read_text())["points"]
-    return [p for p in points if p["tool"] == tool]
+def _host(mode: str, work: Path, timeout_s: float, *options: str) -> dict[str, Any]:
+    """``host.py MODE`` on the SQLite store: its JSON."""
+    out = work / f"{mode}.json"
+    argv = [str(HERE / "host.py"), mode, "--state-dir", str(work / f"state-{mode}")]
+    result: dict[str, Any] = _child_json(
+        mode, [*argv, "--store", "sqlite", *options, "--out", str(out)], out, timeout_s
+    )
+    return result
 
 
 def bench_echo(work: Path, settings: Settings) -> dict[str, Any]:
@@ -164,9 +183,9 @@ def bench_echo(work: Path, settings: Settings) -> dict[str, Any]:
         if not readable or not os.read(ready_read, 1):
             raise ChildFailed("the echo server did not start")
         out = work / "echo.json"
-        _run(
+        result = _child_json(
+            "the echo load",
             [
-                sys.executable,
                 str(LOADGEN),
                 "--target",
                 "echo",
@@ -174,11 +193,12 @@ def bench_echo(work: Path, settings: Settings) -> dict[str, Any]:
                 str(socket_path),
                 "--server-pid",
                 str(server.pid),
-                *_loadgen_args(settings, out, "noop"),
+                *_load_args(settings, out, "noop"),
             ],
+            out,
             settings.point_budget(len(settings.inflight)),
         )
-        return {"status": "ok", "points": _points(out, "noop")}
+        return {"status": "ok", "points": _points(result, "noop")}
     finally:
         os.close(ready_read)
         server.terminate()
@@ -192,30 +212,18 @@ def bench_echo(work: Path, settings: Settings) -> dict[str, Any]:
 def bench_hostcall(work: Path, settings: Settings, store: str) -> dict[str, dict[str, Any]]:
     """``hostcall run --store STORE`` with the load generator as its guest."""
     out = work / f"hostcall-{store}.json"
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "supervisor.cli",
-            "run",
-            "--state-dir",
-            str(work / f"state-{store}"),
-            "--store",
-            store,
-            "--plan",
-            str(PLAN),
-            "--",
-            sys.executable,
-            str(LOADGEN),
-            "--server-pid",
-            "parent",
-            *_loadgen_args(settings, out, "noop,noop_sync"),
-        ],
+    guest = [sys.executable, str(LOADGEN), "--server-pid", "parent"]
+    result = _child_json(
+        f"hostcall run --store {store}",
+        hostcall_run_argv(
+            work / f"state-{store}", store, [*guest, *_load_args(settings, out, "noop,noop_sync")]
+        ),
+        out,
         settings.point_budget(2 * len(settings.inflight)),
     )
     return {
-        f"hostcall-{store}": {"status": "ok", "points": _points(out, "noop")},
-        f"hostcall-{store}-sync": {"status": "ok", "points": _points(out, "noop_sync")},
+        f"hostcall-{store}": {"status": "ok", "points": _points(result, "noop")},
+        f"hostcall-{store}-sync": {"status": "ok", "points": _points(result, "noop_sync")},
     }
 
 
@@ -227,65 +235,37 @@ def bench_mcp(work: Path, settings: Settings) -> dict[str, Any]:
             "reason": "the mcp package is not installed (pip install -e '.[bench]')",
         }
     out = work / "mcp.json"
-    _run(
-        [sys.executable, str(HERE / "mcp_client.py"), *_loadgen_args(settings, out, "noop")],
+    result = _child_json(
+        "the MCP client",
+        [str(HERE / "mcp_client.py"), *_load_args(settings, out, "noop")],
+        out,
         settings.point_budget(len(settings.inflight)),
     )
-    return {"status": "ok", "points": _points(out, "noop")}
+    return {"status": "ok", "points": _points(result, "noop")}
 
 
 def bench_launch(work: Path, settings: Settings) -> dict[str, Any]:
     """Guest launch overhead on the default (SQLite) store."""
-    out = work / "launch.json"
-    _run(
-        [
-            sys.executable,
-            str(HERE / "host.py"),
-            "launch",
-            "--state-dir",
-            str(work / "state-launch"),
-            "--store",
-            "sqlite",
-            "--runs",
-            str(settings.launch_runs),
-            "--out",
-            str(out),
-        ],
-        CHILD_SLACK_S,
-    )
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
+    return _host("launch", work, CHILD_SLACK_S, "--runs", str(settings.launch_runs))
 
 
 def bench_many(work: Path, settings: Settings) -> dict[str, Any]:
     """Many guests on one supervisor (SQLite store) against one guest."""
-    out = work / "many.json"
-    _run(
-        [
-            sys.executable,
-            str(HERE / "host.py"),
-            "many",
-            "--state-dir",
-            str(work / "state-many"),
-            "--store",
-            "sqlite",
-            "--work",
-            str(work / "many"),
-            "--guests",
-            str(settings.guests),
-            "--single-inflight",
-            str(settings.single_inflight),
-            "--warmup",
-            str(settings.many_warmup_s),
-            "--duration",
-            str(settings.many_duration_s),
-            "--out",
-            str(out),
-        ],
+    return _host(
+        "many",
+        work,
         2 * (settings.many_warmup_s + settings.many_duration_s) + 3 * CHILD_SLACK_S,
+        "--work",
+        str(work / "many"),
+        "--guests",
+        str(settings.guests),
+        "--single-inflight",
+        str(settings.single_inflight),
+        "--warmup",
+        str(settings.many_warmup_s),
+        "--duration",
+        str(settings.many_duration_s),
     )
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
 
 
 def best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -496,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds is not None:
         overrides["rounds"] = args.rounds
     if overrides:
-        settings = Settings(**{**asdict(settings), **overrides})
+        settings = dataclasses.replace(settings, **overrides)
     skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     unknown = skip - set(PARTS)
     if unknown:
@@ -514,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     results["quick"] = args.quick
     print(summary(results))
-    stamp = results["started_at"].replace(":", "").replace("-", "").replace("+0000", "Z")
+    started = datetime.datetime.fromisoformat(results["started_at"])
+    stamp = started.strftime("%Y%m%dT%H%M%SZ")
     paths = [args.results_dir / f"bench-{stamp}.json"]
     if args.json is not None:
         paths.append(args.json)

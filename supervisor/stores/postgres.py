@@ -89,6 +89,7 @@ __all__ = [
     "RENEW_S",
     "SCHEMA_VERSION",
     "PostgresEffectStore",
+    "redact_dsn",
 ]
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class PostgresEffectStore:
         if self._session.get("synchronous_commit") == "off":
             raise ValueError("synchronous_commit=off could lose a pending row: leave it out")
         #: The DSN with any password masked: safe for logs and error messages.
-        self.where = _redact(self._dsn)
+        self.where = redact_dsn(self._dsn)
         self.schema = schema or options.get("hostcall_schema", DEFAULT_SCHEMA)
         if not _SCHEMA_NAME.fullmatch(self.schema):
             raise ValueError(f"schema {self.schema!r}: use 1-63 of [a-z0-9_], not a digit first")
@@ -683,7 +684,7 @@ def _number(given: float | None, options: Mapping[str, str], name: str, default:
     return value
 
 
-def _redact(dsn: str) -> str:
+def redact_dsn(dsn: str) -> str:
     """The DSN with any password (in the authority or the query) masked."""
     parts = urllib.parse.urlsplit(dsn)
     netloc = re.sub(r"^([^:@/]*):[^@]*@", r"\1:***@", parts.netloc)

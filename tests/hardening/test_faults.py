@@ -8,8 +8,6 @@ the harness does see a duplicate or a lost commit when there is one.
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -18,10 +16,11 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.harness import load_script
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "faults"
 #: Bound on a whole bounded run (it takes a fraction of this on an idle machine).
@@ -29,22 +28,13 @@ RUN_BOUND_S = 600.0
 KEY = "k" * 64
 
 
-def load_harness() -> ModuleType:
-    loader = importlib.machinery.SourceFileLoader("hostcall_faults", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("hostcall_faults", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hostcall_faults"] = module  # dataclasses look their module up
-    loader.exec_module(module)
-    return module
-
-
-faults = load_harness()
+faults = load_script(SCRIPT, "hostcall_faults")
 
 
 @pytest.fixture
 def workdir() -> Iterator[Path]:
-    # Short on purpose: every trial's channel socket must fit in sun_path.
+    # Short on purpose: with a socket path too long for sun_path, each trial's
+    # supervisor makes a /tmp/hostcall-* folder, and one killed never removes it.
     path = Path(tempfile.mkdtemp(prefix="hcf-"))
     try:
         yield path

@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib.machinery
-import importlib.util
 import json
 import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from supervisor import Supervisor
-from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan
+from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan, load_script
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "soak"
 #: The bounded run's length, and a bound on the whole subprocess around it.
@@ -35,17 +32,7 @@ RETAINED_PER_EXECUTION = 3 * 1024
 RUNS = 100
 
 
-def load_soak() -> ModuleType:
-    loader = importlib.machinery.SourceFileLoader("hostcall_soak", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("hostcall_soak", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hostcall_soak"] = module  # dataclasses look their module up
-    loader.exec_module(module)
-    return module
-
-
-soak = load_soak()
+soak = load_script(SCRIPT, "hostcall_soak")
 
 
 def samples(rss: list[float], fds: list[int], errors: int = 0) -> list[Any]:

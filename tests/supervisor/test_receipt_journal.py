@@ -166,25 +166,22 @@ async def test_a_crash_between_commit_and_file_write_is_completed_at_the_next_st
     assert _journal_rows(db) == []
 
 
-async def test_a_torn_last_line_is_cut_and_rewritten_from_the_journal(tmp_path: Path) -> None:
-    db, path = tmp_path / "effects.db", tmp_path / "inv_j.jsonl"
-    _crash_after_third_journal_commit(db, path)
-    with path.open("ab") as f:
-        f.write(b'{"receipt_id":"rcpt_torn","invocation_')  # a write cut by the crash
-    store = SQLiteEffectStore(db)
-    await store.open()
-    await store.close()
-    assert _call_ids(path) == ["r0", "r1", "r2"]
-    assert verify_chain(path) == (3, None)
-
-
-async def test_damaged_pages_at_the_end_are_cut_and_rewritten_from_the_journal(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b'{"receipt_id":"rcpt_torn","invocation_',  # a write cut by the crash
+        # a later page of an unsynced write landed, an earlier one not
+        b"\0" * 300 + b'"tool":"noop"}\n',
+    ],
+    ids=["torn-last-line", "damaged-pages"],
+)
+async def test_a_damaged_end_is_cut_and_rewritten_from_the_journal(
+    tmp_path: Path, tail: bytes
 ) -> None:
     db, path = tmp_path / "effects.db", tmp_path / "inv_j.jsonl"
     _crash_after_third_journal_commit(db, path)
-    with path.open("ab") as f:  # a later page of an unsynced write landed, an earlier one not
-        f.write(b"\0" * 300 + b'"tool":"noop"}\n')
+    with path.open("ab") as f:
+        f.write(tail)
     store = SQLiteEffectStore(db)
     await store.open()
     await store.close()

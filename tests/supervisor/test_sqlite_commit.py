@@ -150,24 +150,18 @@ async def test_a_failed_fsync_while_the_loop_runs_the_next_batch_fails_both_clea
 
 
 async def test_a_writer_that_fails_after_answering_fails_what_comes_next_and_closes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: SQLiteEffectStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sqlite_store, "WAL_BATCHES", 1)  # checkpoint after every fsync
-    store = SQLiteEffectStore(tmp_path / "effects.db")
-    await store.open()
 
     def broken(*_: object, **__: object) -> None:
         raise RuntimeError("a bug in the checkpoint")
 
     monkeypatch.setattr(store, "_checkpoint", broken)
-    try:
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            assert (await store.begin(_start("c1"), time.time())).won  # answered, then it died
-            with pytest.raises(StoreUnavailable):
-                await store.begin(_start("c2"), time.time())
-    finally:
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            await store.close()
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        assert (await store.begin(_start("c1"), time.time())).won  # answered, then it died
+        with pytest.raises(StoreUnavailable):
+            await store.begin(_start("c2"), time.time())
 
 
 async def test_the_wal_it_fsyncs_is_the_one_sqlite_writes_also_through_a_symlink(
