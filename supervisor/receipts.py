@@ -14,12 +14,13 @@ fsync, not two (:mod:`supervisor.stores.journal`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import logging
 import os
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ __all__ = [
     "fsync_path",
     "last_hash",
     "make_receipt",
+    "read_receipts",
     "seal",
     "utc_timestamp",
     "verify_chain",
@@ -68,6 +70,7 @@ _FIELDS: Final = (
     "prev_hash",
     "hash",
 )
+_FIELD_SET: Final = frozenset(_FIELDS)
 
 
 def utc_timestamp(seconds: float) -> str:
@@ -331,24 +334,59 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
         yield from enumerate(f, start=1)
 
 
+def read_receipts(path: Path) -> Generator[tuple[int, dict[str, Any] | ChainError], None, None]:
+    """Every receipt of a file with its line number (from 1), checking the
+    chain as it reads.
+
+    At the first break a :class:`ChainError` is yielded for that line, then
+    the line itself if it is a receipt (a changed line still is one). Lines
+    after the break are yielded if they are receipts, but no longer
+    chain-checked: nothing ties them to the verified part.
+    """
+    prev: str | None = GENESIS_HASH  # None once the chain is broken
+    for number, raw in _lines(path):
+        receipt: dict[str, Any] | None = None
+        problem: str | None = None
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            problem = "not valid JSON"
+        else:
+            if isinstance(value, dict) and set(value) == _FIELD_SET:
+                receipt = value
+                if prev is not None:
+                    problem = _chain_problem(receipt, prev)
+            else:
+                problem = "not a receipt (fields differ)"
+        if prev is not None:
+            if problem is not None:
+                yield number, ChainError(number, problem)
+                prev = None
+            else:
+                assert receipt is not None
+                prev = receipt["hash"]
+        if receipt is not None:
+            yield number, receipt
+
+
+def _chain_problem(receipt: Mapping[str, Any], prev: str) -> str | None:
+    if receipt["prev_hash"] != prev:
+        return "prev_hash does not match the previous line (removed or reordered)"
+    try:
+        digest = sha256_hex(jcs({k: v for k, v in receipt.items() if k != "hash"}))
+    except ValueError:  # not I-JSON: no hostcall sealed it
+        digest = None
+    if digest != receipt["hash"]:
+        return "hash does not match the content (changed)"
+    return None
+
+
 def verify_chain(path: Path) -> tuple[int, ChainError | None]:
     """Check a receipt file; returns the number of good lines and the first break."""
-    prev = GENESIS_HASH
     count = 0
-    for number, raw in _lines(path):
-        try:
-            receipt = json.loads(raw)
-        except ValueError:
-            return count, ChainError(number, "not valid JSON")
-        if not isinstance(receipt, dict) or set(receipt) != set(_FIELDS):
-            return count, ChainError(number, "not a receipt (fields differ)")
-        claimed = receipt.pop("hash")
-        if receipt["prev_hash"] != prev:
-            return count, ChainError(
-                number, "prev_hash does not match the previous line (removed or reordered)"
-            )
-        if sha256_hex(jcs(receipt)) != claimed:
-            return count, ChainError(number, "hash does not match the content (changed)")
-        prev = claimed
-        count += 1
+    with contextlib.closing(read_receipts(path)) as items:
+        for _, item in items:
+            if isinstance(item, ChainError):
+                return count, item
+            count += 1
     return count, None
