@@ -40,6 +40,8 @@ ERROR_STATUS: Final[Mapping[str, int]] = {
     "result_invalid": 500,
     # Host faults: the store could not record the call, so it was not run.
     "store_unavailable": 503,
+    # SPEC §13 S9: the connection was refused before any request was read.
+    "too_many_connections": 503,
     "internal_error": 500,
 }
 

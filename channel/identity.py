@@ -8,14 +8,15 @@ an unauthenticated one learns nothing about calls or tools.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import os
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Final
 
 from channel.errors import Refusal
-from channel.peer import is_in_guest_tree, peer_credentials
+from channel.peer import Peer, is_in_guest_tree, peer_pidfd
 from channel.routing import ExecutionDirectory, ExecutionPort
 
 __all__ = [
@@ -34,6 +35,9 @@ PLAN_HEADER: Final = "Hostcall-Plan"
 # tell an attacker which execution ids exist.
 _NO_SUCH_CREDENTIAL: Final = hashlib.sha256(b"hostcall: no such execution").digest()
 _UNAUTHENTICATED: Final = "missing or invalid credentials"
+_NOT_THE_GUEST: Final = "the connecting process is not part of this execution's guest"
+#: The uid a guest has when its execution names none; it cannot change.
+_SUPERVISOR_UID: Final = os.getuid()
 
 
 def _bearer_token(authorization: str | None) -> bytes | None:
@@ -73,26 +77,41 @@ def authenticate(headers: Mapping[str, str], directory: ExecutionDirectory) -> E
     return execution
 
 
-def check_origin(sock: Any, execution: ExecutionPort) -> None:
-    """Check 5 of SPEC §4.1: the peer process belongs to the guest's tree.
+def check_origin(peer: Peer, execution: ExecutionPort, transport: asyncio.BaseTransport) -> None:
+    """Check 5 of SPEC §4.1: the peer process belongs to the guest.
+
+    ``peer`` is what the connection's peer was found to be when it was
+    accepted. A sandboxed guest (``guest_pidns`` set) and everything it starts
+    live in its sandbox's pid namespace and cannot leave it, so the peer must
+    be in that namespace and have the guest's uid; that costs nothing per
+    request. Otherwise the peer must be the guest process or one of its
+    descendants, walked per request (``transport`` gives the pidfd that pins it).
 
     Raises:
         Refusal: ``origin_denied``.
     """
+    guest_uid = execution.guest_uid
+    if peer.uid != (_SUPERVISOR_UID if guest_uid is None else guest_uid):
+        raise Refusal("origin_denied", _NOT_THE_GUEST)
+    guest_pidns = execution.guest_pidns
+    if guest_pidns is not None:
+        # Its own namespace, and not one nested in another sandbox: namespace
+        # inodes are reused as soon as they are freed, and a guest that can
+        # make pid namespaces could otherwise chance upon this one's.
+        if peer.pidns != guest_pidns or peer.group != ("pidns", guest_pidns):
+            raise Refusal("origin_denied", _NOT_THE_GUEST)
+        return
     guest_pid = execution.guest_pid
+    if peer.pid == guest_pid:
+        return  # our own unreaped child: its pid cannot have been reused
     try:
-        peer = peer_credentials(sock, pidfd=False)
-        if peer.pid != guest_pid:
-            # Not the guest itself (our unreaped child): pin the process we inspect.
-            peer = peer_credentials(sock)
+        pidfd = peer_pidfd(transport.get_extra_info("socket"))
     except OSError:
         raise Refusal("origin_denied", "the peer process could not be identified") from None
     try:
-        allowed = guest_pid is not None and is_in_guest_tree(peer, guest_pid)
+        allowed = guest_pid is not None and is_in_guest_tree(peer.pid, guest_pid, pidfd)
     finally:
-        if peer.pidfd is not None:
-            os.close(peer.pidfd)
+        if pidfd is not None:
+            os.close(pidfd)
     if not allowed:
-        raise Refusal(
-            "origin_denied", "the connecting process is not part of this execution's guest"
-        )
+        raise Refusal("origin_denied", _NOT_THE_GUEST)

@@ -34,6 +34,9 @@ OPENAPI_PATH: Final = "/v1/openapi.json"
 _MAX_WAIT_S: Final = 60
 
 _IDENTITY_CODES: Final = ("unauthenticated", "plan_mismatch", "execution_fenced", "origin_denied")
+#: Answered to a new connection over its execution's limit, whatever it asks
+#: (SPEC §13 S9); origin_denied, too, to one whose process cannot be attributed.
+_CONNECTION_CODES: Final = ("too_many_connections",)
 
 #: The error codes each operation can answer with, besides its successes.
 OPERATION_CODES: Final[dict[tuple[str, str], tuple[str, ...]]] = {
@@ -54,6 +57,7 @@ OPERATION_CODES: Final[dict[tuple[str, str], tuple[str, ...]]] = {
         "result_invalid",
         "internal_error",
         "store_unavailable",
+        *_CONNECTION_CODES,
     ),
     ("get", "/v1/calls/{call_id}"): (
         "bad_request",
@@ -61,9 +65,10 @@ OPERATION_CODES: Final[dict[tuple[str, str], tuple[str, ...]]] = {
         "not_found",
         "result_invalid",
         "internal_error",
+        *_CONNECTION_CODES,
     ),
-    ("get", "/v1/plan"): (*_IDENTITY_CODES, "internal_error"),
-    ("get", OPENAPI_PATH): (*_IDENTITY_CODES, "internal_error"),
+    ("get", "/v1/plan"): (*_IDENTITY_CODES, "internal_error", *_CONNECTION_CODES),
+    ("get", OPENAPI_PATH): (*_IDENTITY_CODES, "internal_error", *_CONNECTION_CODES),
 }
 
 # Error codes whose body has status "error" rather than "refused".
@@ -352,7 +357,10 @@ _DESCRIPTIONS: Final = {
     422: "Arguments fail the schema, a target is missing, or the call_id was reused.",
     429: "The invocation's budget would be exceeded.",
     500: "The tool raised, its result is invalid, or the channel failed.",
-    503: "The effect store is unavailable; nothing ran.",
+    503: (
+        "The effect store is unavailable, or the execution has too many open "
+        "connections (the connection is closed); nothing ran."
+    ),
 }
 
 

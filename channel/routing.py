@@ -56,9 +56,28 @@ class ExecutionPort(Protocol):
         """Pid of the guest's root process, once launched."""
         ...
 
+    @property
+    def guest_pidns(self) -> int | None:
+        """Inode of the guest's pid namespace (``readlink /proc/<pid>/ns/pid``
+        shows ``pid:[N]``) when it runs in a sandbox; None when it does not.
+
+        Set no later than ``guest_pid``: the channel checks the origin of a
+        guest whose ``guest_pid`` is known by namespace if this is set, by
+        process ancestry if not.
+        """
+        ...
+
+    @property
+    def guest_uid(self) -> int | None:
+        """The uid the guest's processes have, seen from outside; None: the
+        supervisor's own uid (an unsandboxed guest, or a sandbox in a user
+        namespace that maps our uid to itself)."""
+        ...
+
     async def wait_launched(self, timeout_s: float) -> None:
-        """Wait (bounded) until ``guest_pid`` is known: a fast guest may call
-        before the supervisor has finished recording its launch."""
+        """Wait (bounded) until ``guest_pid`` (and ``guest_pidns``) is known: a
+        fast guest may call before the supervisor has finished recording its
+        launch."""
         ...
 
     @property

@@ -1,8 +1,10 @@
 """The channel: HTTP/1.1 over one Unix socket, serving every execution (SPEC §4).
 
-Each request is authenticated first (headers only, before the body is read),
-then framed, then handed to the execution's broker. Every answer, including
-the channel's own refusals, is a JSON reply built by :class:`CallReply`.
+Each connection is attributed to its guest and counted when it is accepted
+(:mod:`channel.connections`). Each request is authenticated first (headers
+only, before the body is read), then framed, then handed to the execution's
+broker. Every answer, including the channel's own refusals, is a JSON reply
+built by :class:`CallReply`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import logging
 import os
 import re
+import socket
 import stat
 from pathlib import Path
 from typing import Any, Final
@@ -19,13 +22,27 @@ from typing import Any, Final
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from channel.connections import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS_PER_GROUP,
+    ChannelConnection,
+    ChannelListener,
+    Slot,
+    default_max_connections,
+)
 from channel.errors import Refusal
 from channel.identity import authenticate, check_origin
 from channel.openapi import OPENAPI_PATH, document_bytes
 from channel.routing import ExecutionDirectory, ExecutionPort
 from channel.wire import CallReply, is_valid_id, parse_call_request
 
-__all__ = ["DEFAULT_MAX_BODY", "MAX_WAIT_S", "ChannelServer"]
+__all__ = [
+    "DEFAULT_IDLE_TIMEOUT_S",
+    "DEFAULT_MAX_BODY",
+    "DEFAULT_MAX_CONNECTIONS_PER_GROUP",
+    "MAX_WAIT_S",
+    "ChannelServer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +78,20 @@ class ChannelServer:
 
     The socket's directory must already exist with mode 0700; the socket file
     is made 0600 before any connection can be accepted from outside it.
+
+    Args:
+        directory: Where requests find their execution.
+        socket_path: Where to listen.
+        origin_check: Check 5 of SPEC §4.1 (connections are attributed and
+            counted either way).
+        max_body: Longest request body accepted, in bytes.
+        max_connections_per_group: Open connections allowed per sandbox (or,
+            for an unsandboxed guest, per session): per execution.
+        max_connections: Open connections allowed in all; None: half the soft
+            ``RLIMIT_NOFILE`` when the server starts.
+        idle_timeout_s: A connection that has not sent a whole request this
+            long after it opened or got its last answer is closed; so is one
+            whose request body takes longer than this to arrive.
     """
 
     def __init__(
@@ -70,14 +101,26 @@ class ChannelServer:
         *,
         origin_check: bool = True,
         max_body: int = DEFAULT_MAX_BODY,
+        max_connections_per_group: int = DEFAULT_MAX_CONNECTIONS_PER_GROUP,
+        max_connections: int | None = None,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         self._directory = directory
         self.socket_path = socket_path
         self._origin_check = origin_check
         self._max_body = max_body
+        self._max_per_group = max_connections_per_group
+        self._max_connections = max_connections
+        self._idle_timeout_s = idle_timeout_s
         self._runner: web.AppRunner | None = None
+        self._listener: ChannelListener | None = None
         #: Requests being served right now (long polls included).
         self.active_requests = 0
+
+    @property
+    def open_connections(self) -> int:
+        """Connections admitted and not yet closed."""
+        return self._listener.open_connections if self._listener is not None else 0
 
     def _app(self) -> web.Application:
         app = web.Application(middlewares=[self._boundary], client_max_size=self._max_body)
@@ -97,18 +140,44 @@ class ChannelServer:
         if mode & 0o077:
             raise RuntimeError(f"socket directory {parent} must be mode 0700, is {mode:04o}")
         self.socket_path.unlink(missing_ok=True)
-        runner = web.AppRunner(
-            self._app(), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S
-        )
+        runner = web.AppRunner(self._app(), handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S)
         await runner.setup()
-        site = web.UnixSite(runner, str(self.socket_path), backlog=LISTEN_BACKLOG)
-        await site.start()
-        # The directory is 0700, so nobody else could connect in between.
-        os.chmod(self.socket_path, 0o600)
         self._runner = runner
+        server = runner.server
+        assert server is not None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(self.socket_path))
+            # The directory is 0700, so nobody else could connect in between.
+            os.chmod(self.socket_path, 0o600)
+            sock.listen(LISTEN_BACKLOG)
+            idle_timeout_s = self._idle_timeout_s
+
+            def connection(slot: Slot) -> ChannelConnection:
+                return ChannelConnection(server, slot, idle_timeout_s=idle_timeout_s)
+
+            listener = ChannelListener(
+                sock,
+                connection,
+                per_group=self._max_per_group,
+                total=(
+                    self._max_connections
+                    if self._max_connections is not None
+                    else default_max_connections()
+                ),
+            )
+        except BaseException:
+            sock.close()
+            await self.close()
+            raise
+        listener.start()
+        self._listener = listener
 
     async def close(self) -> None:
         """Stop accepting, let in-flight requests finish (bounded), remove the socket."""
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            listener.close()
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
@@ -152,8 +221,10 @@ class ChannelServer:
         if self._origin_check:
             if execution.guest_pid is None:
                 await execution.wait_launched(LAUNCH_WAIT_S)
+            connection = request.protocol
+            assert isinstance(connection, ChannelConnection)
             assert request.transport is not None
-            check_origin(request.transport.get_extra_info("socket"), execution)
+            check_origin(connection.peer, execution, request.transport)
         return execution
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -162,6 +233,19 @@ class ChannelServer:
         length = request.content_length
         if length is not None and length > self._max_body:
             raise Refusal("payload_too_large", f"body is over {self._max_body} bytes")
+        if request.content.is_eof():  # the usual case: the body came with the head
+            return await self._receive_body(request, length)
+        # aiohttp's idle timer stops once the head is in: a body trickled in
+        # (or never sent) must not hold the connection forever.
+        try:
+            async with asyncio.timeout(self._idle_timeout_s):
+                return await self._receive_body(request, length)
+        except TimeoutError:
+            raise Refusal(
+                "bad_request", f"the request body did not arrive within {self._idle_timeout_s} s"
+            ) from None
+
+    async def _receive_body(self, request: web.Request, length: int | None) -> bytes:
         try:
             if length is not None:  # the common case: one read of a known size
                 return await request.content.readexactly(length)

@@ -9,6 +9,8 @@ an async one drive the same logic and differ only in how they wait and send.
 
 from __future__ import annotations
 
+import json
+
 from guest_client.errors import EffectUnknown, ToolError, TransportError
 from guest_client.responses import (
     Missing,
@@ -202,6 +204,13 @@ def _send(
     is the call's idempotency key, when an earlier answer named it."""
     while True:
         reply = yield make_request(max(budget.remaining(), MIN_REQUEST_TIMEOUT_S))
+        if isinstance(reply, Response) and _connection_refused(reply):
+            # The host turned the connection away before reading any request
+            # (this guest holds too many): nothing ran, so it is a transport
+            # failure to retry like any other.
+            reply = TransportFailure(
+                "the host holds too many connections of this guest", request_sent=False
+            )
         if isinstance(reply, Response):
             return reply
         if not isinstance(reply, TransportFailure):
@@ -218,6 +227,18 @@ def _send(
         if delay >= budget.remaining():
             raise _gave_up(budget, reply, call_id, key, "before the deadline") from reply
         yield Sleep(delay)
+
+
+def _connection_refused(response: Response) -> bool:
+    """A 503 ``too_many_connections``: answered before any request was read."""
+    if response.status != 503:
+        return False
+    try:
+        body = json.loads(response.body)
+    except ValueError:
+        return False
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("code") == "too_many_connections"
 
 
 def _gave_up(

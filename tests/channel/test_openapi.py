@@ -44,7 +44,11 @@ CHARGE = {"account": "acct_1", "cents": 500}
 # Declared but not provoked here, and why.
 UNEXERCISED_STATUSES = {
     # The effect store failing is a host fault; the stores' own tests cover it.
+    # Too many connections: tests/channel/test_connections.py.
     ("post", "/v1/calls", 503),
+    ("get", "/v1/calls/{call_id}", 503),
+    ("get", "/v1/plan", 503),
+    ("get", OPENAPI_PATH, 503),
     # Only a bug in the channel answers 500 to these.
     ("get", "/v1/plan", 500),
     ("get", OPENAPI_PATH, 500),
@@ -55,6 +59,8 @@ UNEXERCISED_CODES = {
     "cancelled",
     "store_unavailable",
     "internal_error",
+    # Answered to a connection before any request is read: test_connections.py.
+    "too_many_connections",
 }
 
 
