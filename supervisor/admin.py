@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -42,6 +43,16 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def _still_running(pidfd: int) -> bool:
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def record_json(record: EffectRecord) -> dict[str, Any]:
@@ -103,17 +114,9 @@ class AdminServer:
     @web.middleware
     async def _boundary(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         assert request.transport is not None
-        try:
-            peer = peer_credentials(request.transport.get_extra_info("socket"))
-        except OSError:
-            return _error(403, "origin_denied", "the peer could not be identified")
-        if peer.pidfd is not None:
-            os.close(peer.pidfd)
-        if peer.uid != os.getuid():
-            return _error(403, "origin_denied", "the admin API is for the supervisor's own uid")
-        if self._sup.guest_of(peer.pid) is not None:
-            # Guests run as our uid: without this a guest could approve itself.
-            return _error(403, "origin_denied", "guests may not use the admin API")
+        refusal = self._refusal(request.transport.get_extra_info("socket"))
+        if refusal is not None:
+            return _error(403, "origin_denied", refusal)
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -131,6 +134,33 @@ class AdminServer:
         except Exception:  # boundary: an admin bug must not take the supervisor down
             logger.exception("admin API error on %s %s", request.method, request.path)
             return _error(500, "internal_error", "internal error")
+
+    def _refusal(self, sock: Any) -> str | None:
+        """Why the peer may not use the admin API, or None. Fails closed: a
+        peer it cannot attribute with certainty is refused (SPEC §13, S4)."""
+        try:
+            peer = peer_credentials(sock)
+        except OSError:
+            return "the peer could not be identified"
+        try:
+            if peer.uid != os.getuid():
+                return "the admin API is for the supervisor's own uid"
+            if peer.pid <= 0:
+                return "the peer is not visible from the supervisor's pid namespace"
+            try:
+                owner = self._sup.guest_of(peer.pid)
+            except LookupError:
+                return "the peer could not be attributed"
+            if owner is not None:
+                # Guests may run as our uid: without this one could approve itself.
+                return "guests may not use the admin API"
+            if peer.pidfd is not None and not _still_running(peer.pidfd):
+                # It exited while we looked: its pid may be someone else's now.
+                return "the peer exited"
+        finally:
+            if peer.pidfd is not None:
+                os.close(peer.pidfd)
+        return None
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         raw = await request.read()

@@ -16,11 +16,11 @@ from typing import Any, Final
 
 from supervisor.admin import record_json
 from supervisor.admin_client import AdminClient, AdminError, SupervisorNotRunning
+from supervisor.audit import audit_receipts, effects_for
 from supervisor.errors import HostcallError
 from supervisor.ids import is_valid_id
 from supervisor.limits import Limits
 from supervisor.plan import Plan
-from supervisor.receipts import verify_chain
 from supervisor.statedir import chosen_state_dir
 from supervisor.stores.sqlite import read_calls
 from supervisor.supervisor import RunOutcome, Supervisor
@@ -31,8 +31,10 @@ __all__ = ["main"]
 EXIT_FAILED: Final = 1
 #: Exit status when hostcall itself cannot do what was asked (bad plan, busy state dir).
 EXIT_USAGE: Final = 2
-#: The shell's "command not found".
+#: The shell's "command not found" …
 EXIT_NOT_FOUND: Final = 127
+#: … and "found but cannot be executed".
+EXIT_NOT_EXECUTABLE: Final = 126
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
@@ -72,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
             help="state directory (default: $HOSTCALL_STATE_DIR, else ./.hostcall)",
         )
 
+    def no_sandbox_option(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--no-sandbox",
+            action="store_true",
+            help="start guests without the sandbox (SPEC §13): only for guests you trust",
+        )
+
     state_dir_option(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -86,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-procs", type=int, metavar="N", help="processes in the guest tree")
     run.add_argument("--max-files", type=int, metavar="N", help="open files in the guest tree")
     run.add_argument("--store", help="sqlite (default), sqlite:///PATH, memory or postgresql://…")
+    no_sandbox_option(run)
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD [ARG…]")
 
@@ -93,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     state_dir_option(serve)
     serve.add_argument("--plan", required=True, help="plan file (TOML) guests run under")
     serve.add_argument("--store", help="sqlite (default), sqlite:///PATH, memory or postgresql://…")
+    no_sandbox_option(serve)
 
     demo = commands.add_parser("demo", help="run the bundled billing example end to end")
     state_dir_option(demo)
@@ -171,7 +182,7 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"hostcall run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     plan = Plan.load(args.plan)
-    async with Supervisor(_state_dir(args), store=args.store) as sup:
+    async with Supervisor(_state_dir(args), store=args.store, sandbox=not args.no_sandbox) as sup:
         try:
             outcome = await sup.run(
                 plan, argv, invocation_id=args.invocation, limits=limits, attempts=args.attempts
@@ -179,6 +190,9 @@ async def _run(args: argparse.Namespace) -> int:
         except FileNotFoundError as exc:
             print(f"hostcall run: cannot start {argv[0]!r}: {exc.strerror}", file=sys.stderr)
             return EXIT_NOT_FOUND
+        except PermissionError as exc:
+            print(f"hostcall run: cannot start {argv[0]!r}: {exc.strerror}", file=sys.stderr)
+            return EXIT_NOT_EXECUTABLE
     if args.json:
         print(json.dumps(outcome.to_json()), file=sys.stderr)
     else:
@@ -195,9 +209,12 @@ async def _demo(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     state_dir = _state_dir(args)
-    async with Supervisor(state_dir, store=args.store, plan=plan) as sup:
+    async with Supervisor(
+        state_dir, store=args.store, plan=plan, sandbox=not args.no_sandbox
+    ) as sup:
         print(
-            f"hostcall serve: plan {plan.name} ({plan.plan_hash[:19]}…)\n"
+            f"hostcall serve: plan {plan.name} ({plan.plan_hash[:19]}…)"
+            f"{'' if sup.sandboxed else ', sandbox off'}\n"
             f"  channel: {sup.socket_path}\n  admin:   {sup.state.path / 'admin.sock'}\n"
             "  launch guests with POST /v1/invocations on the admin socket; "
             "stop with Ctrl-C",
@@ -310,19 +327,21 @@ def _calls_offline(
 
 
 def _receipts(args: argparse.Namespace) -> int:
+    named = getattr(args, "state_dir", None)  # only when --state-dir was given
     try:
-        count, broken = verify_chain(args.file)
+        # StoreUnavailable (no effects.db in a named dir, an unreadable store) is
+        # a HostcallError: main() prints it and exits 2.
+        effects = effects_for(args.file, Path(named) if named is not None else None)
+        audit = audit_receipts(args.file, effects=effects)
     except OSError as exc:
         print(f"hostcall receipts verify: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
-    if broken is not None:
-        print(
-            f"{args.file}: line {broken.line}: {broken.problem} "
-            f"({count} receipt(s) before it verified)",
-            file=sys.stderr,
-        )
+    for line in audit.lines():
+        print(line, file=sys.stderr)
+    if not audit.ok:
+        print(audit.summary(), file=sys.stderr)
         return EXIT_FAILED
-    print(f"{args.file}: {count} receipt(s), hash chain intact")
+    print(audit.summary())
     return 0
 
 

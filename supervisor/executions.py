@@ -6,7 +6,7 @@ import asyncio
 import collections
 import contextlib
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -39,6 +39,12 @@ class Execution:
     credential_sha256: bytes
     broker: Broker
     guest_pid: int | None = None
+    #: The guest's pid namespace and outside uid when it runs in a sandbox
+    #: (the channel's origin check); ``None`` without one.
+    guest_pidns: int | None = None
+    guest_uid: int | None = None
+    #: The execution's ``"sandbox"`` (SPEC §13): ``"off"`` or what was used.
+    sandbox: Mapping[str, Any] | str = "off"
     process: asyncio.subprocess.Process | None = None
     state: ExecutionState = ExecutionState.STARTING
     #: Called once when the execution stops being live (e.g. to cancel proposals).
@@ -86,6 +92,7 @@ class Execution:
             "invocation_id": self.invocation_id,
             "state": str(self.state),
             "guest_pid": self.guest_pid,
+            "sandbox": dict(self.sandbox) if isinstance(self.sandbox, Mapping) else self.sandbox,
             "outcome": self.outcome.to_json() if self.outcome is not None else None,
         }
 

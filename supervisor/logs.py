@@ -1,26 +1,54 @@
-"""Guest output: passed through, kept per execution under the state dir,
-size-capped with rotation, and never containing the credential."""
+"""Guest output: passed through, kept per execution under the state dir, cut
+at an output budget, and never containing the credential (SPEC §13 S9).
+
+A guest may write without end. What it writes is kept, and passed through,
+only up to two budgets that apply at once: one shared by both streams of an
+execution and one shared by every execution of an invocation. When either runs
+out, one marker line says so and the rest is read and discarded, so the guest
+never blocks on a full pipe and nothing it writes can fill the host's disk.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import fcntl
 import logging
 import os
-from collections.abc import Callable
+import stat
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import IO, BinaryIO, ClassVar, Final, Literal
 
-__all__ = ["LOG_BACKUPS", "LOG_MAX_BYTES", "Redactor", "RotatingLog", "pump"]
+__all__ = [
+    "EXECUTION_OUTPUT_LIMIT",
+    "INVOCATION_OUTPUT_LIMIT",
+    "REDACTED",
+    "CappedStream",
+    "GuestLog",
+    "OutputBudget",
+    "Passthrough",
+    "Redactor",
+    "allow",
+    "pump",
+]
 
 logger = logging.getLogger(__name__)
 
-#: Largest a guest's log file grows before it is rotated …
-LOG_MAX_BYTES: Final = 10 * 1024 * 1024
-#: … and how many rotated files (``.1`` newest) are kept beside it.
-LOG_BACKUPS: Final = 2
+_KiB: Final = 1024
+_MiB: Final = 1024 * _KiB
+#: Output one execution may keep, its stdout and stderr together (SPEC §13 S9) …
+EXECUTION_OUTPUT_LIMIT: Final = 64 * _MiB
+#: … and all executions of one invocation together, across supervisor restarts.
+INVOCATION_OUTPUT_LIMIT: Final = 256 * _MiB
+#: What the log and the pass-through show where the guest printed its credential.
 REDACTED: Final = b"[hostcall: credential redacted]"
 _CHUNK: Final = 64 * 1024
+
+Scope = Literal["execution", "invocation"]
 
 
 class Redactor:
@@ -51,41 +79,141 @@ class Redactor:
         return rest
 
 
-class RotatingLog:
-    """An append-only file that rotates at ``max_bytes`` (``f``, ``f.1``, … ``f.N``)."""
+# -- budgets: arithmetic only ---------------------------------------------------
 
-    def __init__(
-        self, path: Path, *, max_bytes: int = LOG_MAX_BYTES, backups: int = LOG_BACKUPS
-    ) -> None:
+
+@dataclass(slots=True)
+class OutputBudget:
+    """Bytes of guest output one scope may still keep (log and pass-through
+    are the same bytes, counted once).
+
+    One per execution, shared by its two streams; one per invocation, shared
+    by its executions for as long as any of them runs here.
+    """
+
+    scope: Scope
+    limit: int
+    used: int = 0
+
+    def __post_init__(self) -> None:
+        if self.limit < 0:
+            raise ValueError(f"an output limit cannot be negative: {self.limit}")
+
+    @classmethod
+    def for_execution(cls, limit: int = EXECUTION_OUTPUT_LIMIT) -> OutputBudget:
+        """A fresh budget for one execution's stdout and stderr together."""
+        return cls("execution", limit)
+
+    @classmethod
+    def for_invocation(cls, folder: Path, limit: int = INVOCATION_OUTPUT_LIMIT) -> OutputBudget:
+        """A budget for an invocation whose logs are kept in ``folder``.
+
+        It starts from the bytes already there, so earlier executions (also
+        of an earlier supervisor) count. Markers found there count too; they
+        are a line each.
+        """
+        return cls("invocation", limit, _bytes_in(folder))
+
+    @property
+    def left(self) -> int:
+        """Bytes this scope may still keep."""
+        return max(0, self.limit - self.used)
+
+    def marker(self) -> bytes:
+        """The line that ends a stream this budget cut."""
+        return (
+            f"\n[hostcall: output cut: this {self.scope}'s output limit of "
+            f"{_amount(self.limit)} was reached; the rest was discarded]\n"
+        ).encode()
+
+
+def allow(size: int, budgets: Sequence[OutputBudget]) -> tuple[int, OutputBudget | None]:
+    """Charge a write of ``size`` bytes to all ``budgets`` at once.
+
+    Returns:
+        How many of the bytes may be kept (what every budget allows, and that
+        much is charged to each), and the budget that cut the rest — the
+        tightest, the first of equals — or ``None`` if all of them fit.
+    """
+    tightest = min(budgets, key=lambda budget: budget.left, default=None)
+    if tightest is None or tightest.left >= size:
+        kept, cut_by = size, None
+    else:
+        kept, cut_by = tightest.left, tightest
+    for budget in budgets:
+        budget.used += kept
+    return kept, cut_by
+
+
+class CappedStream:
+    """One guest stream on its way out: redacted first, then cut at its budgets.
+
+    Redacting before cutting means the cut falls in the redacted text, never
+    inside a credential; once cut, the redactor is dropped without a flush,
+    so the start of a credential it was holding back never comes out either.
+    """
+
+    def __init__(self, redactor: Redactor, budgets: Sequence[OutputBudget]) -> None:
+        self._redactor: Redactor | None = redactor
+        self._budgets = tuple(budgets)
+        #: The budget that cut this stream, once one has.
+        self.cut_by: OutputBudget | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What to write of ``chunk``: a part of it, then the marker at the cut."""
+        if self._redactor is None:
+            return b""
+        return self._admit(self._redactor.feed(chunk))
+
+    def finish(self) -> bytes:
+        """What to write at the end of the stream."""
+        if self._redactor is None:
+            return b""
+        return self._admit(self._redactor.flush())
+
+    def _admit(self, data: bytes) -> bytes:
+        if not data:
+            return b""
+        kept, cut_by = allow(len(data), self._budgets)
+        if cut_by is None:
+            return data
+        self.cut_by, self._redactor = cut_by, None
+        # The marker is outside the budget: it is the one line that says why
+        # the output stops, and a stream can be cut only once.
+        return data[:kept] + cut_by.marker()
+
+
+# -- the file ------------------------------------------------------------------
+
+
+class GuestLog:
+    """One stream's log: ``<folder>/<execution_id>.<stream>.log``, append-only.
+
+    The folder is made 0700 and the file 0600; neither is reached through a
+    symlink planted at its path. It never raises: a file that cannot be opened
+    or written (a full disk) is reported once, and the output still passes
+    through.
+    """
+
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self._max_bytes = max_bytes
-        self._backups = backups
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._size = os.fstat(self._fd).st_size
+        self._reported = False
+        try:
+            self._fd = _open_private(path)
+        except OSError as exc:
+            self._fd = -1
+            self._report(exc)
 
     def write(self, data: bytes) -> None:
-        """Append ``data``, rotating first if it would not fit."""
-        while data:
-            room = self._max_bytes - self._size
-            if room <= 0:
-                self._rotate()
-                continue
-            part, data = data[:room], data[room:]
-            os.write(self._fd, part)
-            self._size += len(part)
-
-    def _rotate(self) -> None:
-        os.close(self._fd)
-        for index in range(self._backups, 0, -1):
-            older = self.path.with_name(f"{self.path.name}.{index}")
-            newer = self.path.with_name(f"{self.path.name}.{index - 1}") if index > 1 else self.path
-            if newer.exists():
-                os.replace(newer, older)
-        if self._backups == 0:
-            self.path.unlink(missing_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600)
-        self._size = 0
+        """Append ``data``, whole or as much as the file takes."""
+        if self._fd < 0:
+            return
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            self._report(exc)
 
     def close(self) -> None:
         """Close the file. Idempotent."""
@@ -93,30 +221,183 @@ class RotatingLog:
             os.close(self._fd)
             self._fd = -1
 
+    def _report(self, exc: OSError) -> None:
+        if not self._reported:
+            self._reported = True
+            logger.error(
+                "cannot write guest log %s: %s; the output still passes through", self.path, exc
+            )
+
+
+def _open_private(path: Path) -> int:
+    path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path.parent, 0o700)
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(folder, 0o700)
+        # O_NONBLOCK: a FIFO planted here must not block the open; it is
+        # refused below like anything else that is not a regular file.
+        fd = os.open(
+            path.name,
+            os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+            0o600,
+            dir_fd=folder,
+        )
+    finally:
+        os.close(folder)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        os.fchmod(fd, 0o600)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _bytes_in(folder: Path) -> int:
+    """The size of the regular files in ``folder`` (0 if there is none)."""
+    total = 0
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        # Its logs cannot be opened either then; what is not kept is not counted.
+        logger.error("cannot read guest log folder %s: %s", folder, exc)
+    return total
+
+
+def _amount(size: int) -> str:
+    for unit, name in ((_MiB, "MiB"), (_KiB, "KiB")):
+        if size >= unit and size % unit == 0:
+            return f"{size // unit} {name}"
+    return f"{size} bytes"
+
+
+# -- the pump ------------------------------------------------------------------
+
 
 async def pump(
     reader: asyncio.StreamReader,
     *,
-    log: RotatingLog,
-    passthrough: Callable[[bytes], object] | None,
+    log: GuestLog,
+    passthrough: Passthrough | Callable[[bytes], object] | None,
     redactor: Redactor,
+    budgets: Sequence[OutputBudget],
 ) -> None:
-    """Copy a guest's stream to its log and (optionally) our own stream until EOF."""
+    """Copy a guest's stream to its log and (optionally) our own stream until EOF.
+
+    Both get the same bytes, cut where any of ``budgets`` runs out; the pipe
+    is read to its end regardless. Closes ``log`` at the end.
+    """
+    stream = CappedStream(redactor, budgets)
 
     def emit(data: bytes) -> None:
         if not data:
             return
-        try:
-            log.write(data)
-        except OSError as exc:  # a full disk must not stop the guest's output
-            logger.error("cannot write guest log %s: %s", log.path, exc)
-        if passthrough is not None:
+        log.write(data)
+        if isinstance(passthrough, Passthrough):
+            passthrough.write(data)
+        elif passthrough is not None:
             with contextlib.suppress(OSError, ValueError):
                 passthrough(data)
 
     try:
         while chunk := await reader.read(_CHUNK):
-            emit(redactor.feed(chunk))
-        emit(redactor.flush())
+            emit(stream.feed(chunk))
+        emit(stream.finish())
+        if isinstance(passthrough, Passthrough):
+            await passthrough.drained(PASSTHROUGH_DRAIN_S)
     finally:
         log.close()
+
+
+# -- the pass-through ------------------------------------------------------------
+
+#: Guest output waiting for a slow reader of our own stream before more is dropped.
+PASSTHROUGH_BACKLOG: Final = 4 * 1024 * 1024
+#: How long a finished pump waits for its output to reach our stream.
+PASSTHROUGH_DRAIN_S: Final = 5.0
+
+
+class Passthrough:
+    """Guest output on one of the supervisor's own streams, written by a thread.
+
+    A reader of our stdout that stops reading (a paused pager, a full pipe)
+    must never block the event loop, which serves every guest, the admin API
+    and the sampler (SPEC §13, S9). Writes are queued and a daemon thread
+    performs them; past :data:`PASSTHROUGH_BACKLOG` waiting bytes, output is
+    dropped, and one line says how much once the reader catches up. The log
+    files under the state dir still get everything (up to the budgets).
+    """
+
+    _by_stream: ClassVar[dict[int, Passthrough]] = {}
+
+    def __init__(self, buffer: BinaryIO, backlog: int = PASSTHROUGH_BACKLOG) -> None:
+        self._buffer = buffer
+        self._backlog = backlog
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._queued = 0
+        self._dropped = 0
+        self._lock = threading.Condition()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def to(cls, stream: IO[str]) -> Passthrough | None:
+        """The pass-through to ``stream`` (one per stream, shared by all guests)."""
+        buffer = getattr(stream, "buffer", None)
+        if buffer is None:
+            return None
+        found = cls._by_stream.get(id(buffer))
+        if found is None or found._buffer is not buffer:
+            found = cls._by_stream[id(buffer)] = cls(buffer)
+        return found
+
+    def write(self, data: bytes) -> None:
+        """Queue ``data``; never blocks."""
+        with self._lock:
+            if self._queued + len(data) > self._backlog:
+                self._dropped += len(data)
+                return
+            self._queue.append(data)
+            self._queued += len(data)
+            self._idle.clear()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="hostcall-passthrough", daemon=True
+                )
+                self._thread.start()
+            self._lock.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue:
+                    self._idle.set()
+                    self._lock.wait()
+                data = self._queue.popleft()
+                self._queued -= len(data)
+                dropped, self._dropped = self._dropped, 0
+            if dropped:
+                data = (
+                    f"\n[hostcall: {dropped} bytes of guest output not shown here: "
+                    "this stream was not being read; the log under the state dir has them]\n"
+                ).encode() + data
+            with contextlib.suppress(OSError, ValueError):
+                self._buffer.write(data)
+                self._buffer.flush()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait (bounded) until everything queued so far has been written."""
+        if self._idle.is_set():
+            return True
+        return await asyncio.to_thread(self._idle.wait, timeout_s)

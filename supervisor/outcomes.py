@@ -29,6 +29,8 @@ class ExecutionOutcome:
     peak_rss_bytes: int
     peak_processes: int
     calls: Mapping[str, int]
+    #: ``"off"``, or the sandbox's namespaces and how its limits were held (SPEC §13).
+    sandbox: Mapping[str, Any] | str = "off"
 
     @property
     def timed_out(self) -> bool:
@@ -63,9 +65,17 @@ class ExecutionOutcome:
         else:
             ended = f"exited with {self.exit_code}"
         calls = ", ".join(f"{k} {v}" for k, v in sorted(self.calls.items())) or "none"
+        if isinstance(self.sandbox, Mapping):
+            sandbox = (
+                f"sandbox {self.sandbox.get('namespaces')}, limits {self.sandbox.get('limits')}"
+            )
+            memory = "peak memory"
+        else:
+            sandbox = "sandbox off"
+            memory = "peak rss"
         return (
             f"execution {self.execution_id} {ended} after {self.duration_s:.2f} s "
-            f"(cpu {self.cpu_s:.2f} s, peak rss {self.peak_rss_bytes / 2**20:.1f} MiB); "
+            f"(cpu {self.cpu_s:.2f} s, {memory} {self.peak_rss_bytes / 2**20:.1f} MiB; {sandbox}); "
             f"calls: {calls}"
         )
 
@@ -82,6 +92,7 @@ class ExecutionOutcome:
             "peak_rss_bytes": self.peak_rss_bytes,
             "peak_processes": self.peak_processes,
             "calls": dict(self.calls),
+            "sandbox": dict(self.sandbox) if isinstance(self.sandbox, Mapping) else self.sandbox,
         }
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from supervisor.canonical import jcs, sha256_hex
 from supervisor.errors import PlanError
+from supervisor.sandbox.policy import SandboxPolicy
 from supervisor.tools import Tool, ToolOptions
 
 __all__ = ["BudgetLimits", "Plan"]
@@ -53,11 +54,22 @@ class _PlanSection(BaseModel):
     require_approval_for_irreversible: bool = False
 
 
+class _SandboxSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    network: Literal["none", "host"] = "none"
+    workdir: str | None = None
+    read_only: list[str] = []
+    read_write: list[str] = []
+    hide: list[str] = []
+
+
 class _PlanFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     plan: _PlanSection = _PlanSection()
     tools: dict[str, _ToolSection] = {}
+    sandbox: _SandboxSection | None = None
 
 
 def _import_handler(path: str, folder: Path) -> Callable[..., Any]:
@@ -94,6 +106,8 @@ class Plan:
         deadline_s: float | None = None,
         approval_timeout_s: float = 300.0,
         require_approval_for_irreversible: bool = False,
+        sandbox: SandboxPolicy | None = None,
+        path: Path | None = None,
     ) -> None:
         resolved: dict[str, Tool] = {}
         for item in tools:
@@ -103,6 +117,10 @@ class Plan:
             resolved[built.name] = built
         self.name = name
         self.tools: Mapping[str, Tool] = resolved
+        #: What the plan's guests may see and touch (the ``[sandbox]`` table).
+        self.sandbox = sandbox or SandboxPolicy()
+        #: The plan file, when the plan was loaded from one.
+        self.path = path
         self.approval_timeout_s = float(approval_timeout_s)
         self.require_approval_for_irreversible = require_approval_for_irreversible
         self.budget = BudgetLimits(
@@ -157,11 +175,21 @@ class Plan:
             deadline_s=spec.plan.deadline_s,
             approval_timeout_s=spec.plan.approval_timeout_s,
             require_approval_for_irreversible=spec.plan.require_approval_for_irreversible,
+            sandbox=(
+                SandboxPolicy.from_table(**spec.sandbox.model_dump(), base=path.parent)
+                if spec.sandbox is not None
+                else None
+            ),
+            path=path,
         )
 
     def resolved(self) -> dict[str, Any]:
-        """The resolved plan: what ``plan_hash`` is the hash of (SPEC §10)."""
-        return {
+        """The resolved plan: what ``plan_hash`` is the hash of (SPEC §10).
+
+        A ``[sandbox]`` table enters it only when it asks for more than the
+        defaults, so plans without one keep the hash they always had.
+        """
+        resolved: dict[str, Any] = {
             "name": self.name,
             "max_calls": self.budget.max_calls,
             "max_cost": self.budget.max_cost,
@@ -170,6 +198,9 @@ class Plan:
             "require_approval_for_irreversible": self.require_approval_for_irreversible,
             "tools": {name: t.resolved() for name, t in sorted(self.tools.items())},
         }
+        if not self.sandbox.is_default:
+            resolved["sandbox"] = self.sandbox.resolved()
+        return resolved
 
     def needs_approval(self, tool: Tool) -> bool:
         """Whether a call of ``tool`` waits for a decision before dispatch."""

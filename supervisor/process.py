@@ -1,31 +1,45 @@
-"""Guest processes: the only place that starts or stops one (SPEC §3).
+"""Guest processes: the only place that starts or stops one (SPEC §3, §13).
 
 A guest gets its own session and process group, the ``HOSTCALL_*`` variables,
 and its credential through an inherited pipe, never argv or (by default) its
 environment. Stopping is TERM to the whole tree, a grace period, then KILL.
+
+A sandboxed guest is started by bubblewrap (:mod:`supervisor.sandbox`): the
+process we start is bubblewrap's monitor, whose child becomes pid 1 of the
+guest's own pid namespace and starts the command. Nothing of the guest can
+leave that namespace, and when its pid 1 dies the kernel kills everything in
+it at once: that is the atomic end of the tree. The command waits (bubblewrap's
+``--block-fd``) until the supervisor has put pid 1 into the execution's cgroup,
+so no guest code runs outside it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import IO, Any, Final, Literal
+from dataclasses import dataclass, field
+from typing import IO, Any, Final, Literal, Protocol
 
 import psutil
 
-from supervisor.tracking import GuestTree, is_subreaper
+from supervisor.sandbox import SandboxError, SandboxLaunch
+from supervisor.tracking import GuestTree, is_subreaper, process_map
 
 __all__ = [
+    "SANDBOX_START_TIMEOUT_S",
     "STOP_GRACE_S",
     "CredentialTransport",
     "GuestIdentity",
+    "Sandboxed",
     "guest_environment",
     "launch_guest",
+    "launch_sandboxed",
+    "stop_sandbox",
     "stop_tree",
     "wait_exited",
 ]
@@ -38,6 +52,8 @@ STOP_GRACE_S: Final = 5.0
 _STOP_POLL_S: Final = 0.02
 #: How often to look for the child watcher's reap once the guest has exited.
 _REAP_POLL_S: Final = 0.002
+#: How long bubblewrap may take to report its sandbox's pid 1.
+SANDBOX_START_TIMEOUT_S: Final = 30.0
 
 CredentialTransport = Literal["fd", "env"]
 
@@ -62,6 +78,29 @@ def guest_environment(base: Mapping[str, str], identity: GuestIdentity) -> dict[
     return env
 
 
+def _credential_fd(
+    env: dict[str, str], credential: str, transport: CredentialTransport
+) -> int | None:
+    """Hand the credential over as ``transport`` says; returns the read end to pass.
+
+    With ``"fd"`` the credential is written into a pipe whose read end the guest
+    inherits; ``HOSTCALL_CREDENTIAL_FD`` names it. The write end is closed
+    first, so the guest reads to EOF and never blocks.
+    """
+    if transport == "fd":
+        read_end, write_end = os.pipe()
+        try:
+            os.write(write_end, credential.encode("ascii"))
+        finally:
+            os.close(write_end)
+        env["HOSTCALL_CREDENTIAL_FD"] = str(read_end)
+        return read_end
+    if transport == "env":
+        env["HOSTCALL_CREDENTIAL"] = credential
+        return None
+    raise ValueError(f"unknown credential transport {transport!r}")
+
+
 async def launch_guest(
     argv: Sequence[str],
     *,
@@ -73,32 +112,15 @@ async def launch_guest(
     stdout: int | IO[Any] | None = None,
     stderr: int | IO[Any] | None = None,
 ) -> asyncio.subprocess.Process:
-    """Start a guest in its own session with its credential.
-
-    With ``transport="fd"`` the credential is written into a pipe whose read
-    end the guest inherits; ``HOSTCALL_CREDENTIAL_FD`` names it. The write end
-    is closed first, so the guest reads to EOF and never blocks.
+    """Start a guest without a sandbox, in its own session, with its credential.
 
     Raises:
         OSError: the command could not be started (e.g. FileNotFoundError).
     """
     if not argv:
         raise ValueError("a guest needs a command to run")
-    pass_fds: tuple[int, ...] = ()
-    read_end: int | None = None
     env = dict(env)
-    if transport == "fd":
-        read_end, write_end = os.pipe()
-        try:
-            os.write(write_end, credential.encode("ascii"))
-        finally:
-            os.close(write_end)
-        env["HOSTCALL_CREDENTIAL_FD"] = str(read_end)
-        pass_fds = (read_end,)
-    elif transport == "env":
-        env["HOSTCALL_CREDENTIAL"] = credential
-    else:
-        raise ValueError(f"unknown credential transport {transport!r}")
+    read_end = _credential_fd(env, credential, transport)
     try:
         return await asyncio.create_subprocess_exec(
             *argv,
@@ -107,12 +129,221 @@ async def launch_guest(
             stdin=stdin,
             stdout=stdout,
             stderr=stderr,
-            pass_fds=pass_fds,
+            pass_fds=() if read_end is None else (read_end,),
             start_new_session=True,
         )
     finally:
         if read_end is not None:
             os.close(read_end)
+
+
+@dataclass(eq=False)
+class Sandboxed:
+    """A running sandbox: its pid 1 (pinned by a pidfd) and its pid namespace."""
+
+    init_pid: int
+    #: Inode of the guest's pid namespace: the channel's origin check.
+    pidns: int
+    pidfd: int | None = field(default=None, repr=False)
+    #: Held open until the execution has ended: a namespace's inode number is
+    #: reused as soon as it is freed, and another sandbox must not get this
+    #: one's while the channel still accepts it.
+    nsfd: int | None = field(default=None, repr=False)
+
+    def signal(self, signum: int) -> None:
+        """Signal pid 1; SIGKILL ends every process of the sandbox at once."""
+        with contextlib.suppress(ProcessLookupError, OSError):
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signum)
+            else:
+                os.kill(self.init_pid, signum)
+
+    def members(self) -> list[int]:
+        """The sandbox's processes but its pid 1, from one pass over ``/proc``."""
+        children_of = process_map()
+        found: list[int] = []
+        stack = list(children_of.get(self.init_pid, ()))
+        while stack:
+            pid = stack.pop()
+            found.append(pid)
+            stack.extend(children_of.get(pid, ()))
+        return found
+
+    async def wait_gone(self, timeout_s: float) -> bool:
+        """Wait (bounded) until pid 1, and with it every process inside, has ended.
+
+        The kernel kills and reaps a pid namespace's processes before its pid 1
+        counts as exited. Reaps pid 1 if it became our child (we are a subreaper
+        and bubblewrap's monitor, its parent, ended first).
+        """
+        gone = True
+        if self.pidfd is not None:
+            loop = asyncio.get_running_loop()
+            ended: asyncio.Future[None] = loop.create_future()
+
+            def readable() -> None:
+                if not ended.done():
+                    ended.set_result(None)
+
+            loop.add_reader(self.pidfd, readable)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await ended
+            except TimeoutError:
+                gone = False
+            finally:
+                loop.remove_reader(self.pidfd)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(self.init_pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG: never blocks
+        return gone
+
+    def close(self) -> None:
+        """Release the pidfd and the namespace. Idempotent."""
+        for name in ("pidfd", "nsfd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                setattr(self, name, None)
+                os.close(fd)
+
+
+async def launch_sandboxed(
+    launch: SandboxLaunch,
+    *,
+    credential: str,
+    transport: CredentialTransport = "fd",
+    stdin: int | IO[Any] | None = None,
+    stdout: int | IO[Any] | None = None,
+    stderr: int | IO[Any] | None = None,
+    join: Callable[[int], None] | None = None,
+) -> tuple[asyncio.subprocess.Process, Sandboxed]:
+    """Start a guest inside its sandbox; returns bubblewrap's monitor and the sandbox.
+
+    bubblewrap reports the pid of the sandbox's pid 1 (``--info-fd``) before it
+    runs anything of the guest, then waits on ``--block-fd``: ``join(pid)``
+    (the execution's cgroup) runs in between, so the guest's first instruction
+    already runs inside it.
+
+    Raises:
+        OSError: bubblewrap could not be started.
+        SandboxError: bubblewrap ended before it reported the sandbox, or
+            ``join`` failed (the sandbox is then killed).
+    """
+    env = dict(launch.env)
+    cred_fd = _credential_fd(env, credential, transport)
+    args_r, args_w = os.pipe()
+    info_r, info_w = os.pipe()
+    block_r, block_w = os.pipe()
+    ours = [args_w, info_r, block_w]
+    theirs = [args_r, info_w, block_r, *([] if cred_fd is None else [cred_fd])]
+    try:
+        options = [*launch.options, "--info-fd", str(info_w), "--block-fd", str(block_r)]
+        _write_all(args_w, b"".join(o.encode() + b"\0" for o in options))
+        os.close(args_w)
+        ours.remove(args_w)
+        process = await asyncio.create_subprocess_exec(
+            str(launch.program),
+            "--args",
+            str(args_r),
+            "--",
+            *launch.command,
+            env=env,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            pass_fds=tuple(theirs),
+            start_new_session=True,
+        )
+    except BaseException:
+        for fd in [*ours, *theirs]:
+            os.close(fd)
+        raise
+    for fd in theirs:
+        os.close(fd)
+    try:
+        info = await _read_to_eof(info_r, SANDBOX_START_TIMEOUT_S)
+        sandbox = _sandbox_from(info)
+        if join is not None:
+            join(sandbox.init_pid)
+        with contextlib.suppress(BrokenPipeError):
+            os.write(block_w, b"x")  # the guest may run now
+    except BaseException as exc:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()  # its pid 1 follows (--die-with-parent)
+        if isinstance(exc, Exception) and not isinstance(exc, SandboxError | OSError):
+            raise SandboxError(f"the sandbox did not start: {exc}") from exc
+        raise
+    finally:
+        os.close(info_r)
+        os.close(block_w)
+    return process, sandbox
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+async def _read_to_eof(fd: int, timeout_s: float) -> bytes:
+    """Read a pipe to EOF on the event loop, bounded by ``timeout_s``."""
+    os.set_blocking(fd, False)
+    loop = asyncio.get_running_loop()
+    chunks: list[bytes] = []
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        try:
+            while chunk := os.read(fd, 4096):
+                chunks.append(chunk)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if not done.done():
+                done.set_exception(exc)
+            return
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await done
+    except TimeoutError:
+        raise SandboxError(
+            f"bubblewrap did not report its sandbox within {timeout_s:g} s"
+        ) from None
+    finally:
+        loop.remove_reader(fd)
+    return b"".join(chunks)
+
+
+def _sandbox_from(info: bytes) -> Sandboxed:
+    if not info.strip():
+        raise SandboxError(
+            "bubblewrap ended before it started the sandbox (see the guest's stderr)"
+        )
+    try:
+        fields = json.loads(info)
+        init_pid = int(fields["child-pid"])
+        pidns = int(fields["pid-namespace"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SandboxError(f"unexpected report from bubblewrap: {info[:200]!r}") from exc
+    try:
+        pidfd: int | None = os.pidfd_open(init_pid)
+    except OSError:
+        pidfd = None  # an older kernel: signals go by pid (it is a grandchild of ours)
+    try:
+        nsfd = os.open(f"/proc/{init_pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if pidfd is not None:
+            os.close(pidfd)
+        raise SandboxError(f"the sandbox's pid 1 is gone: {exc}") from None
+    if os.fstat(nsfd).st_ino != pidns:
+        os.close(nsfd)
+        if pidfd is not None:
+            os.close(pidfd)
+        raise SandboxError("the sandbox's pid 1 is not the process bubblewrap reported")
+    return Sandboxed(init_pid, pidns, pidfd, nsfd)
 
 
 async def wait_exited(process: asyncio.subprocess.Process) -> int:
@@ -145,6 +376,50 @@ async def wait_exited(process: asyncio.subprocess.Process) -> int:
     while process.returncode is None:  # noqa: ASYNC110 - no event for the watcher's reap
         await asyncio.sleep(_STOP_POLL_S if pidfd is None else _REAP_POLL_S)
     return process.returncode
+
+
+class CgroupPort(Protocol):
+    """What stopping a sandbox needs of the execution's cgroup."""
+
+    def pids(self) -> list[int]: ...
+
+    def kill(self) -> None: ...
+
+
+async def stop_sandbox(
+    process: asyncio.subprocess.Process,
+    sandbox: Sandboxed,
+    *,
+    grace_s: float = STOP_GRACE_S,
+    cgroup: CgroupPort | None = None,
+) -> list[int]:
+    """End a sandboxed guest: TERM to every process inside but pid 1, ``grace_s``,
+    then KILL — the cgroup's atomic kill and SIGKILL to pid 1, which ends the
+    whole pid namespace at once. Returns the pids still inside afterwards
+    (empty unless the kernel refused to kill them).
+    """
+    if process.returncode is None:
+        inside = cgroup.pids() if cgroup is not None else sandbox.members()
+        for pid in inside:
+            if pid != sandbox.init_pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace_s):
+                await wait_exited(process)
+    if process.returncode is None or not await sandbox.wait_gone(grace_s):
+        if cgroup is not None:
+            with contextlib.suppress(OSError):
+                cgroup.kill()
+        sandbox.signal(signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace_s):
+                await wait_exited(process)
+        await sandbox.wait_gone(grace_s)
+    survivors = cgroup.pids() if cgroup is not None else sandbox.members()
+    if survivors:
+        logger.error("processes of a sandbox survived SIGKILL: %s", survivors)
+    return survivors
 
 
 def _group_alive(pgid: int) -> bool:

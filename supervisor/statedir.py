@@ -26,6 +26,24 @@ def chosen_state_dir(given: str | os.PathLike[str] | None) -> Path:
     return Path(given or os.environ.get("HOSTCALL_STATE_DIR") or DEFAULT_STATE_DIR)
 
 
+def _owner_only(folder: Path) -> None:
+    """Make a folder of ours 0700 (SPEC §13), never following a symlink.
+
+    Raises:
+        UnsafeStateDir: it is a symlink or belongs to another user.
+    """
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise UnsafeStateDir(f"cannot open {folder}: {exc.strerror}") from None
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            raise UnsafeStateDir(f"{folder} belongs to another user")
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
 class StateDir:
     """A supervisor's state directory, held under an exclusive lock while open."""
 
@@ -51,7 +69,8 @@ class StateDir:
         Raises:
             StateDirBusy: another running supervisor holds it.
         """
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _owner_only(Path(os.path.realpath(self.path)))
         try:
             # O_NOFOLLOW: a symlink planted at the lock must not get its target emptied.
             fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -69,7 +88,9 @@ class StateDir:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
-        self.receipts_dir.mkdir(exist_ok=True)
+        for folder in (self.receipts_dir, self.logs_dir):
+            folder.mkdir(mode=0o700, exist_ok=True)
+            _owner_only(folder)
         self.run_dir = self._socket_dir()
 
     def _socket_dir(self) -> Path:

@@ -16,15 +16,30 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Final, cast
 
-from channel.server import DEFAULT_MAX_BODY, ChannelServer
+from channel.server import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_BODY,
+    DEFAULT_MAX_CONNECTIONS_PER_GROUP,
+    ChannelServer,
+)
 from supervisor.admin import AdminServer
 from supervisor.approvals import ApprovalController, Approver
 from supervisor.broker import Broker
+from supervisor.cgroups import CgroupHost
 from supervisor.errors import InvocationMismatch
 from supervisor.executions import Execution, ExecutionState, ExecutionTable
+from supervisor.guests import GuestLauncher, RunningGuest
 from supervisor.ids import is_valid_id, mint_credential, new_id
 from supervisor.limits import EndReason, Limits
-from supervisor.logs import LOG_BACKUPS, LOG_MAX_BYTES, Redactor, RotatingLog, pump
+from supervisor.logs import (
+    EXECUTION_OUTPUT_LIMIT,
+    INVOCATION_OUTPUT_LIMIT,
+    GuestLog,
+    OutputBudget,
+    Passthrough,
+    Redactor,
+    pump,
+)
 from supervisor.metrics import Metrics
 from supervisor.outcomes import ExecutionOutcome, RunOutcome
 from supervisor.plan import Plan
@@ -33,11 +48,11 @@ from supervisor.process import (
     CredentialTransport,
     GuestIdentity,
     guest_environment,
-    launch_guest,
-    stop_tree,
     wait_exited,
 )
+from supervisor.protection import protect_process
 from supervisor.receipts import JournaledReceipts, ReceiptLog, Receipts
+from supervisor.sandbox import GUEST_SOCKET, SandboxHost
 from supervisor.statedir import StateDir
 from supervisor.stores import EffectStore, SQLiteEffectStore, store_from_spec
 from supervisor.tracking import TreeTracker, become_subreaper
@@ -58,6 +73,8 @@ class _Invocation:
     plan: Plan
     receipts: Receipts
     deadline_at: float | None
+    #: Output all its executions here may still keep (SPEC §13 S9).
+    output: OutputBudget
     revoked: set[str] = field(default_factory=set)
 
 
@@ -79,10 +96,20 @@ class Supervisor:
         credential_transport: CredentialTransport = "fd",
         max_body: int = DEFAULT_MAX_BODY,
         stop_grace_s: float = STOP_GRACE_S,
-        log_max_bytes: int = LOG_MAX_BYTES,
-        log_backups: int = LOG_BACKUPS,
+        execution_output_limit: int = EXECUTION_OUTPUT_LIMIT,
+        invocation_output_limit: int = INVOCATION_OUTPUT_LIMIT,
+        sandbox: bool = True,
+        guest_uid: int | None = None,
+        max_connections_per_execution: int = DEFAULT_MAX_CONNECTIONS_PER_GROUP,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         self.state = StateDir(state_dir)
+        #: Whether guests run in a sandbox (SPEC §13); the default.
+        self.sandboxed = sandbox
+        self._guest_uid = guest_uid
+        self._max_connections = max_connections_per_execution
+        self._idle_timeout_s = idle_timeout_s
+        self._launcher: GuestLauncher | None = None
         self._store_spec = store
         self._store: EffectStore | None = None
         self.approvals = ApprovalController(approver)
@@ -93,8 +120,8 @@ class Supervisor:
         self._credential_transport: CredentialTransport = credential_transport
         self._max_body = max_body
         self._stop_grace_s = stop_grace_s
-        self._log_max_bytes = log_max_bytes
-        self._log_backups = log_backups
+        self._execution_output_limit = execution_output_limit
+        self._invocation_output_limit = invocation_output_limit
         self._tracker = TreeTracker()
         self._executions = ExecutionTable()
         self._invocations: dict[str, _Invocation] = {}
@@ -105,6 +132,7 @@ class Supervisor:
         self._admin: AdminServer | None = None
         self._launched: set[asyncio.Task[RunOutcome]] = set()
         self._executor: ThreadPoolExecutor | None = None
+        self._cgroups: CgroupHost | None = None
         self.recovered_unknown = 0
 
     # -- lifecycle ------------------------------------------------------------
@@ -134,9 +162,20 @@ class Supervisor:
         return self.state.run_dir / "channel.sock"
 
     async def start(self) -> None:
-        """Lock the state dir, open the store (pending rows become unknown), serve."""
+        """Lock the state dir, open the store (pending rows become unknown), serve.
+
+        Raises:
+            SandboxError: a sandbox was asked for and this host cannot give one.
+            StateDirBusy: another supervisor runs on the state dir.
+        """
+        sandbox_host = None
+        if self.sandboxed:
+            # First: a host that cannot sandbox must not get half a supervisor.
+            sandbox_host = await asyncio.to_thread(SandboxHost.probe, self._guest_uid)
         self.state.acquire()
         try:
+            # Not dumpable, enough descriptors (SPEC §13: the supervisor protects itself).
+            protect_process()
             # Orphans of a guest's tree become our children, not init's: none escapes.
             become_subreaper()
             spec = self._store_spec
@@ -158,6 +197,8 @@ class Supervisor:
                 self.socket_path,
                 origin_check=self._origin_check,
                 max_body=self._max_body,
+                max_connections_per_group=self._max_connections,
+                idle_timeout_s=self._idle_timeout_s,
             )
             await self._channel.start()
             if isinstance(self._store, SQLiteEffectStore):
@@ -165,6 +206,24 @@ class Supervisor:
                 # run its store operations without the hop to the writer.
                 channel = self._channel
                 self._store.inline_when = lambda: channel.active_requests <= 1
+            cgroups = None
+            if sandbox_host is not None:
+                cgroups = await asyncio.to_thread(CgroupHost.detect)
+                if sandbox_host.root:
+                    # The guest's uid must reach the socket bound into its sandbox;
+                    # nobody else can: its folder stays 0700, root's.
+                    account = sandbox_host.account
+                    os.chown(self.socket_path, account.uid, account.gid)
+            self._cgroups = cgroups
+            self._launcher = GuestLauncher(
+                self._tracker,
+                sandbox=sandbox_host,
+                cgroups=cgroups,
+                state_dir=self.state.path,
+                socket_path=self.socket_path,
+                hidden=[self.state.run_dir] if self.state.run_dir.parent != self.state.path else [],
+                credential_transport=self._credential_transport,
+            )
             self._admin = AdminServer(self, self.state.path / "admin.sock")
             await self._admin.start()
         except BaseException:
@@ -196,6 +255,11 @@ class Supervisor:
         if self._executor is not None:
             executor, self._executor = self._executor, None
             executor.shutdown(wait=False, cancel_futures=True)
+        if self._cgroups is not None:
+            cgroups, self._cgroups = self._cgroups, None
+            with contextlib.suppress(OSError):
+                cgroups.close()
+        self._launcher = None
         self.state.release()
 
     # -- running guests ---------------------------------------------------------
@@ -279,6 +343,9 @@ class Supervisor:
                 plan,
                 receipts,
                 record.deadline_at,
+                OutputBudget.for_invocation(
+                    self.state.logs_dir / invocation_id, self._invocation_output_limit
+                ),
                 set(await self.store.revoked(invocation_id)),
             )
             self._invocations[invocation_id] = invocation
@@ -324,20 +391,32 @@ class Supervisor:
     async def _run_once(
         self, plan: Plan, invocation_id: str, invocation: _Invocation, launch: _Launch
     ) -> ExecutionOutcome:
+        launcher = self._launcher
+        if launcher is None:
+            raise RuntimeError("the supervisor is not running")
         credential, digest = mint_credential()
         execution = self._new_execution(plan, invocation_id, invocation, digest)
-        identity = GuestIdentity(
-            str(self.socket_path), invocation_id, execution.execution_id, plan.plan_hash
-        )
+        socket = GUEST_SOCKET if launcher.sandbox is not None else self.socket_path
+        identity = GuestIdentity(str(socket), invocation_id, execution.execution_id, plan.plan_hash)
         capture_out = launch.stdout is None
         capture_err = launch.stderr is None
+
+        def stop_for(reason: EndReason) -> None:
+            execution.stop_reason = reason
+            execution.end(ExecutionState.CANCELLED)
+
         started = time.monotonic()
         try:
-            process = await launch_guest(
+            guest = await launcher.start(
+                execution.execution_id,
                 launch.argv,
                 env=guest_environment(os.environ if launch.env is None else launch.env, identity),
                 credential=credential,
-                transport=self._credential_transport,
+                limits=launch.limits,
+                on_violation=stop_for,
+                policy=plan.sandbox,
+                plan_key=plan.plan_hash,
+                plan_path=plan.path,
                 cwd=launch.cwd,
                 stdin=launch.stdin,
                 stdout=asyncio.subprocess.PIPE if capture_out else launch.stdout,
@@ -346,20 +425,19 @@ class Supervisor:
         except BaseException:
             execution.end()
             raise
+        process = guest.process
         execution.guest_pid = process.pid
+        execution.guest_pidns = guest.pidns
+        if launcher.sandbox is not None:
+            execution.guest_uid = launcher.sandbox.account.uid
+        execution.sandbox = guest.sandbox
         execution.launched.set()
         execution.process = process
         execution.state = ExecutionState.RUNNING
-        pumps = self._start_pumps(process, execution, credential, capture_out, capture_err)
-        del credential  # the redactors hold it until the guest's output ends
-
-        def stop_for(reason: EndReason) -> None:
-            execution.stop_reason = reason
-            execution.end(ExecutionState.CANCELLED)
-
-        tree = self._tracker.track(
-            execution.execution_id, process.pid, launch.limits, on_violation=stop_for
+        pumps = self._start_pumps(
+            process, execution, invocation, credential, capture_out, capture_err
         )
+        del credential  # the redactors hold it until the guest's output ends
         reason: EndReason = "exited"
         try:
             if launch.on_start is not None:
@@ -370,34 +448,12 @@ class Supervisor:
         finally:
             # The credential stops working the moment the execution ends.
             execution.end()
-            await asyncio.shield(
-                stop_tree(
-                    process,
-                    tree,
-                    grace_s=self._stop_grace_s,
-                    orphans=lambda: self._tracker.orphans_of(tree),
-                )
-            )
-            self._tracker.untrack(execution.execution_id)
+            await asyncio.shield(guest.stop(self._stop_grace_s))
             if pumps:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._stop_grace_s):
                         await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
-        returncode = process.returncode
-        signum = -returncode if returncode is not None and returncode < 0 else None
-        if reason == "exited" and signum is not None:
-            reason = "signalled"
-        outcome = ExecutionOutcome(
-            execution_id=execution.execution_id,
-            exit_code=returncode if returncode is not None and returncode >= 0 else None,
-            signal=signum,
-            reason=reason,
-            duration_s=time.monotonic() - started,
-            cpu_s=tree.cpu_s,
-            peak_rss_bytes=tree.peak_rss_bytes,
-            peak_processes=tree.peak_processes,
-            calls=dict(execution.broker.outcomes),
-        )
+        outcome = self._outcome(execution, guest, reason, time.monotonic() - started)
         execution.outcome = outcome
         self._executions.retire(execution)
         if not any(e.live for e in self._executions.of_invocation(invocation_id)):
@@ -405,15 +461,45 @@ class Supervisor:
             self._invocations.pop(invocation_id, None)
         return outcome
 
+    @staticmethod
+    def _outcome(
+        execution: Execution, guest: RunningGuest, reason: EndReason, duration_s: float
+    ) -> ExecutionOutcome:
+        returncode = guest.process.returncode
+        signum = -returncode if returncode is not None and returncode < 0 else None
+        if guest.sandbox != "off" and returncode is not None and 128 < returncode <= 128 + 64:
+            # bubblewrap reports a guest ended by signal N as 128+N, as a shell does.
+            signum, returncode = returncode - 128, None
+        if reason in ("exited", "signalled") and guest.limit_crossed() is not None:
+            # The kernel refused memory or a fork just before the guest ended.
+            reason = guest.limit_crossed() or reason
+        if reason == "exited" and signum is not None:
+            reason = "signalled"
+        return ExecutionOutcome(
+            execution_id=execution.execution_id,
+            exit_code=returncode if returncode is not None and returncode >= 0 else None,
+            signal=signum,
+            reason=reason,
+            duration_s=duration_s,
+            cpu_s=guest.cpu_s,
+            peak_rss_bytes=guest.peak_memory_bytes,
+            peak_processes=guest.peak_processes,
+            calls=dict(execution.broker.outcomes),
+            sandbox=guest.sandbox,
+        )
+
     def _start_pumps(
         self,
         process: asyncio.subprocess.Process,
         execution: Execution,
+        invocation: _Invocation,
         credential: str,
         capture_out: bool,
         capture_err: bool,
     ) -> list[asyncio.Task[None]]:
         folder = self.state.logs_dir / execution.invocation_id
+        # Both streams share the execution's budget; all executions, the invocation's.
+        budgets = (OutputBudget.for_execution(self._execution_output_limit), invocation.output)
         pumps = []
         for name, capture, reader, ours in (
             ("stdout", capture_out, process.stdout, sys.stdout),
@@ -421,18 +507,14 @@ class Supervisor:
         ):
             if not capture or reader is None:
                 continue
-            log = RotatingLog(
-                folder / f"{execution.execution_id}.{name}.log",
-                max_bytes=self._log_max_bytes,
-                backups=self._log_backups,
-            )
             pumps.append(
                 asyncio.create_task(
                     pump(
                         reader,
-                        log=log,
-                        passthrough=_passthrough(ours),
+                        log=GuestLog(folder / f"{execution.execution_id}.{name}.log"),
+                        passthrough=Passthrough.to(ours),
                         redactor=Redactor(credential.encode()),
+                        budgets=budgets,
                     )
                 )
             )
@@ -549,18 +631,6 @@ async def _wait_for_guest(
     finally:
         exited.cancel()
         stopped.cancel()
-
-
-def _passthrough(stream: IO[str]) -> Callable[[bytes], object] | None:
-    buffer = getattr(stream, "buffer", None)
-    if buffer is None:
-        return None
-
-    def write(data: bytes) -> None:
-        buffer.write(data)
-        buffer.flush()
-
-    return write
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 import psutil
 
@@ -35,9 +35,11 @@ from supervisor.limits import EndReason, Limits
 __all__ = [
     "SAMPLE_INTERVAL_S",
     "GuestTree",
+    "Sampled",
     "TreeTracker",
     "become_subreaper",
     "is_subreaper",
+    "pid_namespace",
     "process_map",
 ]
 
@@ -360,13 +362,39 @@ def _running(process: psutil.Process) -> bool:
         return False
 
 
+class Sampled(Protocol):
+    """A sandboxed guest as the sampler drives it (``sandbox.usage.SandboxTree``)."""
+
+    execution_id: str
+    init_pid: int
+    pidns: int
+
+    @property
+    def needs_snapshot(self) -> bool: ...
+
+    def sample(self, snapshot: dict[int, ProcStat], children_of: dict[int, list[int]]) -> None: ...
+
+
+def pid_namespace(pid: int) -> int | None:
+    """The inode of ``pid``'s pid namespace, or None if it cannot be read."""
+    try:
+        link = os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+    digits = link.removeprefix("pid:[").removesuffix("]")
+    return int(digits) if digits.isdigit() else None
+
+
 class TreeTracker:
-    """Samples every tracked guest tree on one timer."""
+    """Samples every tracked guest on one timer: unsandboxed trees and sandboxes."""
 
     def __init__(self, interval_s: float = SAMPLE_INTERVAL_S) -> None:
         self.interval_s = interval_s
         self._trees: dict[str, GuestTree] = {}
+        self._sandboxes: dict[str, Sampled] = {}
+        self._monitors: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
+        self._failures = 0
 
     def track(
         self,
@@ -375,41 +403,67 @@ class TreeTracker:
         limits: Limits,
         on_violation: Callable[[EndReason], None],
     ) -> GuestTree:
-        """Start sampling a guest's tree."""
+        """Start sampling an unsandboxed guest's tree."""
         tree = GuestTree(execution_id, root_pid, limits, on_violation)
         with contextlib.suppress(psutil.Error):
             tree.started_at = psutil.Process(root_pid).create_time()
         _guest_roots.add(root_pid)
         self._trees[execution_id] = tree  # first sampled on the next tick, not here
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="hostcall-tree-sampler")
+        self._start()
         return tree
 
-    def owner_of(self, pid: int) -> str | None:
-        """The execution whose guest tree holds process ``pid``, if any.
+    def track_sandbox(self, sandbox: Sampled, monitor_pid: int) -> None:
+        """Start sampling a sandboxed guest; ``monitor_pid`` is bubblewrap's monitor,
+        our child, which the event loop's child watcher reaps."""
+        _guest_roots.add(monitor_pid)
+        self._sandboxes[sandbox.execution_id] = sandbox
+        self._monitors[sandbox.execution_id] = monitor_pid
+        self._start()
 
-        A process belongs to a tree if a tree's root is among its ancestors,
-        if the tree has seen it (or an ancestor) before, or if its environment
-        carries an execution's id.
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="hostcall-tree-sampler")
+
+    def owner_of(self, pid: int) -> str | None:
+        """The execution whose guest holds process ``pid``, or None when it is
+        certainly no guest's.
+
+        A process belongs to a sandbox if it lives in the sandbox's pid
+        namespace (which nothing leaves). It belongs to an unsandboxed tree if
+        the tree's root is among its ancestors, if the tree has seen it (or an
+        ancestor) before, or if its environment carries an execution's id.
+
+        Raises:
+            LookupError: the process cannot be attributed (gone, unreadable,
+                in another pid namespace): callers refuse it (fail closed).
         """
+        pidns = pid_namespace(pid)
+        if pidns is None:
+            raise LookupError(f"cannot read the pid namespace of {pid}")
+        for sandbox in self._sandboxes.values():
+            if pidns == sandbox.pidns:
+                return sandbox.execution_id
+        if pidns != pid_namespace(os.getpid()):
+            raise LookupError(f"process {pid} lives in another pid namespace")
         try:
             process = psutil.Process(pid)
             lineage = [process, *process.parents()]
-        except psutil.Error:
-            return None
-        keys = set()
-        for member in lineage:
-            with contextlib.suppress(psutil.Error):
-                keys.add(_key(member))
+            keys = {_key(member) for member in lineage}
+        except psutil.Error as exc:
+            raise LookupError(f"cannot read the ancestry of {pid}: {exc}") from None
         for tree in self._trees.values():
             if tree.root_pid in {m.pid for m in lineage} or keys & tree.seen.keys():
                 return tree.execution_id
         if self.adopted(pid):
             return "(an orphan adopted from a guest)"
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
-            for entry in f.read().split(b"\0"):
-                if entry.startswith(b"HOSTCALL_EXECUTION="):
-                    return entry.split(b"=", 1)[1].decode(errors="replace")
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError as exc:
+            raise LookupError(f"cannot read the environment of {pid}: {exc}") from None
+        for entry in environ.split(b"\0"):
+            if entry.startswith(b"HOSTCALL_EXECUTION="):
+                return entry.split(b"=", 1)[1].decode(errors="replace")
         return None
 
     def orphans_of(
@@ -440,34 +494,79 @@ class TreeTracker:
         return False
 
     def untrack(self, execution_id: str) -> None:
-        """Stop sampling (the tree has been stopped)."""
+        """Stop sampling (the guest has been stopped)."""
         tree = self._trees.pop(execution_id, None)
         if tree is not None:
             _guest_roots.discard(tree.root_pid)
+        self._sandboxes.pop(execution_id, None)
+        monitor = self._monitors.pop(execution_id, None)
+        if monitor is not None:
+            _guest_roots.discard(monitor)
 
     async def _run(self) -> None:
-        while self._trees:
-            busy = len(self._trees) > BUSY_TREES
+        while self._trees or self._sandboxes:
+            busy = len(self._trees) + len(self._sandboxes) > BUSY_TREES
             await asyncio.sleep(max(self.interval_s, BUSY_SAMPLE_INTERVAL_S if busy else 0.0))
-            self.sample_all()
+            try:
+                self.sample_all()
+            except Exception:
+                # Boundary: EMFILE, a /proc read that fails, anything a guest can
+                # provoke: skip this tick, never stop sampling (SPEC §13).
+                self._failures += 1
+                if self._failures in (1, 10, 100) or self._failures % 1000 == 0:
+                    logger.exception("a sample of the guests failed (%d so far)", self._failures)
 
     def sample_all(self) -> None:
-        """One pass over ``/proc`` for every tree: adopt orphans, measure, check limits."""
-        snapshot = proc_snapshot()
-        children_of = process_map(snapshot)
-        adopted = _adopted_children(children_of.get(os.getpid(), ()))
-        for tree in list(self._trees.values()):
-            for orphan in self.orphans_of(tree, adopted):
-                with contextlib.suppress(psutil.Error):
-                    tree.seen.setdefault(_key(orphan), orphan)
+        """One pass for every guest: adopt orphans, reap adopted zombies, measure,
+        check limits. ``/proc`` is read only when some guest needs it."""
+        snapshot: dict[int, ProcStat] = {}
+        children_of: dict[int, list[int]] = {}
+        if self._trees or any(s.needs_snapshot for s in self._sandboxes.values()):
+            snapshot = proc_snapshot()
+            children_of = process_map(snapshot)
+        if self._trees:
+            ours = children_of.get(os.getpid(), [])
+            self._reap_adopted_zombies(ours, snapshot)
+            adopted = _adopted_children(ours)
+            for tree in list(self._trees.values()):
+                for orphan in self.orphans_of(tree, adopted):
+                    with contextlib.suppress(psutil.Error):
+                        tree.seen.setdefault(_key(orphan), orphan)
+                try:
+                    tree.sample(snapshot, children_of)
+                except Exception:  # boundary: one odd process must not stop the sampler
+                    logger.exception("sampling the tree of %s failed", tree.execution_id)
+        for sandbox in list(self._sandboxes.values()):
             try:
-                tree.sample(snapshot, children_of)
-            except Exception:  # boundary: one odd process must not stop the sampler
-                logger.exception("sampling the tree of %s failed", tree.execution_id)
+                sandbox.sample(snapshot, children_of)
+            except Exception:  # boundary: as above
+                logger.exception("sampling the sandbox of %s failed", sandbox.execution_id)
+
+    def _reap_adopted_zombies(self, ours: list[int], snapshot: dict[int, ProcStat]) -> None:
+        """Reap, as they appear, zombies a guest tree left to us as subreaper.
+
+        Only processes of a tree (seen by it, or still in its guest's session):
+        never a guest root (the event loop's child watcher reaps those) and
+        never another child of this process.
+        """
+        for pid in ours:
+            stat = snapshot.get(pid)
+            if pid in _guest_roots or stat is None or not stat.zombie:
+                continue
+            try:
+                sid = os.getsid(pid)
+            except OSError:
+                continue
+            for tree in self._trees.values():
+                if sid == tree.root_pid or any(key[0] == pid for key in tree.seen):
+                    with contextlib.suppress(ChildProcessError, OSError):
+                        os.waitpid(pid, os.WNOHANG)
+                    break
 
     async def close(self) -> None:
         """Stop the sampler."""
         self._trees.clear()
+        self._sandboxes.clear()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -282,3 +282,29 @@ def load_script(path: Path, name: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses look their module up
     loader.exec_module(module)
     return module
+
+
+def pid_namespace_of(pid: int) -> int | None:
+    """The inode of a process's pid namespace (the same number inside and out)."""
+    try:
+        link = os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+    return int(link.removeprefix("pid:[").removesuffix("]"))
+
+
+def processes_in_pid_namespace(inode: int) -> list[int]:
+    """Every live process (not a zombie) whose pid namespace is ``inode``: a
+    sandbox's processes, which cannot leave it."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"Z", b"X") and pid_namespace_of(int(name)) == inode:
+            found.append(int(name))
+    return found

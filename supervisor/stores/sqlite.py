@@ -216,6 +216,7 @@ class SQLiteEffectStore:
 
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _private(self.path)
         # Switching a new file to WAL takes an exclusive lock that SQLite does
         # not wait for: two processes opening one new store at once can see
         # "database is locked". Retry that, boundedly.
@@ -793,6 +794,17 @@ def _settle(outcomes: list[_Settled]) -> None:
             future.set_exception(error)
         else:
             future.set_result(result)
+
+
+def _private(database: Path) -> None:
+    """The database file, and with it its ``-wal`` and ``-shm`` (SQLite gives
+    them the database's mode), readable by its owner only (SPEC §13)."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    for path in (database, Path(f"{database}-wal"), Path(f"{database}-shm")):
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            if os.stat(path).st_uid == os.getuid():
+                os.chmod(path, 0o600)
 
 
 def read_calls(path: Path, invocation_id: str) -> list[EffectRecord] | None:

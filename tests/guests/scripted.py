@@ -2,8 +2,10 @@
 
 scripted.py exit N                 exit with N
 scripted.py selfkill SIG           kill itself with signal SIG
-scripted.py tree PIDFILE           start a child in its group and a setsid'd
-                                   grandchild, write all pids, then wait forever
+scripted.py tree [PIDFILE]         start a child in its group and a setsid'd
+                                   grandchild, print (and write, if PIDFILE
+                                   is given) all pids and its pid namespace,
+                                   then wait forever
 scripted.py wait                   print "ready", wait for stdin to close, exit 0
 scripted.py calls JSON             make the calls in JSON (a list of
                                    [call_id, tool, args]) with guest_client and
@@ -50,8 +52,12 @@ def main() -> None:
         escaped = subprocess.Popen(
             [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
         )
-        with open(sys.argv[2], "w") as f:
-            json.dump({"guest": os.getpid(), "child": child.pid, "escaped": escaped.pid}, f)
+        pids = {"guest": os.getpid(), "child": child.pid, "escaped": escaped.pid}
+        if len(sys.argv) > 2:
+            with open(sys.argv[2], "w") as f:
+                json.dump(pids, f)
+        pidns = int(os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]"))
+        print(json.dumps({**pids, "pidns": pidns}), flush=True)
         print("ready", flush=True)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # make the KILL step necessary
         time.sleep(600)

@@ -26,6 +26,7 @@ import pytest
 
 from supervisor import Supervisor
 from supervisor.admin_client import AdminClient
+from supervisor.sandbox import SandboxPolicy
 from tests.harness import (
     STEP_TIMEOUT_S,
     Ledger,
@@ -331,7 +332,10 @@ call.join(60)
 
 @pytest.fixture
 async def gated(tmp_path: Path) -> AsyncIterator[Supervisor]:
-    async with Supervisor(tmp_path / "state") as supervisor:
+    """Unsandboxed: the guest is our uid and can name the admin socket, so these
+    tests show the admin API's own check (a sandboxed guest cannot even reach
+    the socket: tests/hardening/test_sandbox.py)."""
+    async with Supervisor(tmp_path / "state", sandbox=False) as supervisor:
         yield supervisor
 
 
@@ -412,11 +416,13 @@ def alive(pid: int) -> bool:
 async def test_a_double_forked_daemon_with_a_scrubbed_environment_does_not_outlive_its_guest(
     tmp_path: Path, ledger: Ledger
 ) -> None:
-    """SPEC §3: every process of the guest's tree is ended when the guest exits."""
+    """SPEC §3: every process of the guest's tree is ended when the guest exits —
+    unsandboxed, where the tree can leave its session (in a sandbox it cannot
+    leave its pid namespace: tests/hardening/test_sandbox.py)."""
     out = tmp_path / "daemon.pid"
     pid = None
     try:
-        async with Supervisor(tmp_path / "state", stop_grace_s=0.5) as sup:
+        async with Supervisor(tmp_path / "state", stop_grace_s=0.5, sandbox=False) as sup:
             async with asyncio.timeout(STEP_TIMEOUT_S):
                 outcome = await sup.run(
                     billing_plan(ledger), [sys.executable, "-c", DAEMON_GUEST, str(out)]
@@ -487,7 +493,8 @@ async def test_the_credential_is_in_no_file_log_environment_argv_or_answer(
 ) -> None:
     caplog.set_level("DEBUG")
     state = tmp_path / "state"
-    plan = billing_plan(ledger)
+    shared = tmp_path / "shared"  # where the printer hands its credential over
+    plan = billing_plan(ledger, sandbox=SandboxPolicy(read_write=(shared,)))
     ledger.release.set()
     answers: list[Any] = []
     async with Supervisor(state) as sup:
@@ -536,7 +543,7 @@ async def test_the_credential_is_in_no_file_log_environment_argv_or_answer(
         for path in ("/v1/invocations", f"/v1/invocations/{invocation}/calls", "/v1/approvals"):
             answers.append(await asyncio.to_thread(admin.request, "GET", path, None))
         metrics = str(await asyncio.to_thread(admin.request, "GET", "/metrics", None))
-        printed_to = tmp_path / "printed_credential"
+        printed_to = shared / "printed_credential"
         async with asyncio.timeout(STEP_TIMEOUT_S):
             printer = await sup.run(plan, [sys.executable, "-c", PRINTER, str(printed_to)])
         printed = printed_to.read_text()

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.harness import STEP_TIMEOUT_S
+from tests.harness import STEP_TIMEOUT_S, processes_in_pid_namespace
 
 GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
 TOOLS = """
@@ -31,6 +31,7 @@ def plan_file(tmp_path: Path) -> Path:
     (folder / "cli_tools.py").write_text(TOOLS)
     (folder / "plan.toml").write_text(
         '[plan]\nname = "cli"\nmax_calls = 5\n\n[tools.echo]\nhandler = "cli_tools:echo"\n'
+        '\n[sandbox]\nread_write = ["../shared"]\n'
     )
     return folder / "plan.toml"
 
@@ -82,14 +83,25 @@ def test_run_exits_128_plus_n_when_a_signal_ended_the_guest(
     assert "signal 9" in done.stderr
 
 
+@pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
 def test_a_timeout_exits_124_and_ends_the_whole_tree_including_a_setsid_grandchild(
-    tmp_path: Path, plan_file: Path
+    tmp_path: Path, plan_file: Path, sandbox: bool
 ) -> None:
-    pids_file = tmp_path / "pids.json"
-    done = run_guest(tmp_path / "st", plan_file, "tree", str(pids_file), extra=("--timeout", "1"))
+    extra = ("--timeout", "1", *(() if sandbox else ("--no-sandbox",)))
+    done = run_guest(tmp_path / "st", plan_file, "tree", extra=extra)
     assert done.returncode == 124
     assert "timeout" in done.stderr
-    for name, pid in json.loads(pids_file.read_text()).items():
+    assert_tree_ended(json.loads(done.stdout.splitlines()[0]), sandbox=sandbox)
+
+
+def assert_tree_ended(tree: dict[str, int], *, sandbox: bool) -> None:
+    """Nothing of the guest's tree is alive: in a sandbox, no process is left in
+    its pid namespace (the pids it printed are the namespace's own)."""
+    pidns = tree.pop("pidns")
+    if sandbox:
+        assert processes_in_pid_namespace(pidns) == []
+        return
+    for name, pid in tree.items():
         assert not _alive(pid), f"{name} ({pid}) survived"
 
 
@@ -255,10 +267,10 @@ def test_the_guest_output_passes_through_and_hostcall_variables_are_set(
     assert done.stdout.split() == ["inv_env", "sha256:", "True"]
 
 
+@pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
 def test_sigterm_to_hostcall_stops_the_guest_tree_and_exits_128_plus_15(
-    tmp_path: Path, plan_file: Path
+    tmp_path: Path, plan_file: Path, sandbox: bool
 ) -> None:
-    pids_file = tmp_path / "pids.json"
     with subprocess.Popen(
         [
             sys.executable,
@@ -269,22 +281,22 @@ def test_sigterm_to_hostcall_stops_the_guest_tree_and_exits_128_plus_15(
             str(tmp_path / "st"),
             "--plan",
             str(plan_file),
+            *(() if sandbox else ("--no-sandbox",)),
             "--",
             sys.executable,
             str(GUEST),
             "tree",
-            str(pids_file),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     ) as hostcall_process:
         assert hostcall_process.stdout is not None
+        tree = json.loads(hostcall_process.stdout.readline())
         assert hostcall_process.stdout.readline().strip() == "ready"
         hostcall_process.send_signal(signal.SIGTERM)
         assert hostcall_process.wait(timeout=STEP_TIMEOUT_S) == 128 + signal.SIGTERM
-    for name, pid in json.loads(pids_file.read_text()).items():
-        assert not _alive(pid), f"{name} ({pid}) survived"
+    assert_tree_ended(tree, sandbox=sandbox)
 
 
 def _alive(pid: int) -> bool:
@@ -297,7 +309,8 @@ def _alive(pid: int) -> bool:
 def test_attempts_relaunch_until_success_and_report_each_execution(
     tmp_path: Path, plan_file: Path
 ) -> None:
-    counter = tmp_path / "n"
+    # The guest keeps its count in a folder the plan lets it write.
+    counter = plan_file.parent.parent / "shared" / "n"
     code = (
         "import pathlib, sys; p = pathlib.Path(sys.argv[1]);"
         " n = int(p.read_text()) if p.exists() else 0; p.write_text(str(n + 1));"

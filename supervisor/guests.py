@@ -1,0 +1,264 @@
+"""Starting, measuring and ending one guest, with or without its sandbox.
+
+:class:`GuestLauncher` holds what a supervisor found out once (can this host
+give a sandbox, and cgroups?) and starts each execution's guest:
+
+- **sandboxed** (the default, SPEC §13): bubblewrap builds the sandbox
+  (:mod:`supervisor.sandbox`), the guest joins the execution's cgroup before
+  its first instruction (:mod:`supervisor.cgroups`), and the kernel ends all
+  of it at once when its pid namespace's pid 1 dies;
+- **unsandboxed** (``--no-sandbox``): the guest runs as the supervisor's uid in
+  a session of its own, its tree tracked by sampling (:mod:`supervisor.tracking`).
+
+:class:`RunningGuest` is what the supervisor holds while it runs: the process,
+how it is measured, and how it is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Final
+
+from supervisor.cgroups import CgroupHost, ExecutionCgroup
+from supervisor.limits import EndReason, Limits
+from supervisor.process import (
+    CredentialTransport,
+    Sandboxed,
+    launch_guest,
+    launch_sandboxed,
+    stop_sandbox,
+    stop_tree,
+)
+from supervisor.sandbox import SandboxHost, SandboxPolicy, trusted_paths
+from supervisor.sandbox.usage import SandboxTree
+from supervisor.tracking import GuestTree, TreeTracker
+
+__all__ = ["CGROUP_REMOVE_TIMEOUT_S", "GuestLauncher", "RunningGuest"]
+
+logger = logging.getLogger(__name__)
+
+#: How long an ended execution's cgroup may take to empty before it is left.
+CGROUP_REMOVE_TIMEOUT_S: Final = 5.0
+
+
+@dataclass(eq=False)
+class RunningGuest:
+    """One execution's guest while it runs, and what it used once it ended."""
+
+    execution_id: str
+    process: asyncio.subprocess.Process
+    tree: GuestTree | SandboxTree
+    #: ``"off"``, or the sandbox's namespaces and how its limits are held.
+    sandbox: Mapping[str, Any] | str
+    _launcher: GuestLauncher
+    _sandboxed: Sandboxed | None = None
+    _cgroup: ExecutionCgroup | None = None
+
+    @property
+    def pidns(self) -> int | None:
+        """The guest's pid namespace (sandboxed only)."""
+        return self._sandboxed.pidns if self._sandboxed is not None else None
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds of the whole guest."""
+        return self.tree.cpu_s
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """Peak memory: the cgroup's own count, else the sampled RSS of the tree."""
+        return self.tree.peak_rss_bytes
+
+    @property
+    def peak_processes(self) -> int:
+        """Most processes (tasks, with a cgroup) the guest had at once, as sampled."""
+        return self.tree.peak_processes
+
+    async def stop(self, grace_s: float) -> None:
+        """End every process of the guest (TERM, ``grace_s``, KILL) and release
+        what it held. Returns once nothing of it is alive."""
+        launcher = self._launcher
+        try:
+            if self._sandboxed is not None:
+                await stop_sandbox(
+                    self.process, self._sandboxed, grace_s=grace_s, cgroup=self._cgroup
+                )
+            else:
+                assert isinstance(self.tree, GuestTree)
+                tree = self.tree
+                await stop_tree(
+                    self.process,
+                    tree,
+                    grace_s=grace_s,
+                    orphans=lambda: launcher.tracker.orphans_of(tree),
+                )
+        finally:
+            launcher.tracker.untrack(self.execution_id)
+            if isinstance(self.tree, SandboxTree):
+                self.tree.finish()
+            if self._sandboxed is not None:
+                self._sandboxed.close()
+            if self._cgroup is not None:
+                with contextlib.suppress(OSError):
+                    await self._cgroup.remove(CGROUP_REMOVE_TIMEOUT_S)
+
+    def limit_crossed(self) -> EndReason | None:
+        """The limit the guest crossed, if any (also one the kernel refused
+        just before it exited)."""
+        return self.tree.violation
+
+
+def _check_command(argv: Sequence[str], env: Mapping[str, str], cwd: Path) -> None:
+    """Fail as ``exec`` would, before building a sandbox for a command that cannot run.
+
+    Raises:
+        FileNotFoundError: no such program (on the guest's ``PATH``).
+        PermissionError: it exists but is not executable.
+    """
+    if not argv:
+        raise ValueError("a guest needs a command to run")
+    program = argv[0]
+    if "/" not in program:
+        if shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+        return
+    path = Path(program) if os.path.isabs(program) else cwd / program
+    if not path.exists():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    if path.is_dir() or not os.access(path, os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+
+
+class GuestLauncher:
+    """Starts guests for one supervisor (see the module docstring)."""
+
+    def __init__(
+        self,
+        tracker: TreeTracker,
+        *,
+        sandbox: SandboxHost | None,
+        cgroups: CgroupHost | None,
+        state_dir: Path,
+        socket_path: Path,
+        hidden: Sequence[Path] = (),
+        credential_transport: CredentialTransport = "fd",
+    ) -> None:
+        self.tracker = tracker
+        self.sandbox = sandbox
+        self.cgroups = cgroups
+        self._state_dir = state_dir
+        self._socket_path = socket_path
+        self._hidden = tuple(hidden)
+        self._transport: CredentialTransport = credential_transport
+        self._trusted: dict[str, list[Path]] = {}
+
+    def _trusted_for(self, plan_key: str, plan_path: Path | None) -> list[Path]:
+        found = self._trusted.get(plan_key)
+        if found is None:
+            extra = [self._state_dir, *([plan_path] if plan_path is not None else [])]
+            found = self._trusted[plan_key] = trusted_paths(extra)
+        return found
+
+    async def start(
+        self,
+        execution_id: str,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str],
+        credential: str,
+        limits: Limits,
+        on_violation: Callable[[EndReason], None],
+        policy: SandboxPolicy,
+        plan_key: str,
+        plan_path: Path | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        stdin: int | IO[Any] | None = None,
+        stdout: int | IO[Any] | None = None,
+        stderr: int | IO[Any] | None = None,
+    ) -> RunningGuest:
+        """Start one execution's guest; returns once its first instruction may run.
+
+        Raises:
+            OSError: the command could not be started (unsandboxed), or
+                bubblewrap could not (sandboxed).
+            SandboxError: the sandbox cannot be built as the plan asks.
+        """
+        if self.sandbox is None:
+            process = await launch_guest(
+                argv,
+                env=env,
+                credential=credential,
+                transport=self._transport,
+                cwd=cwd,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+            )
+            tree = self.tracker.track(execution_id, process.pid, limits, on_violation)
+            return RunningGuest(execution_id, process, tree, "off", self)
+        _check_command(argv, env, Path(cwd) if cwd is not None else Path.cwd())
+        launch = self.sandbox.build(
+            policy,
+            argv=argv,
+            env=env,
+            cwd=Path(cwd) if cwd is not None else Path.cwd(),
+            state_dir=self._state_dir,
+            socket=self._socket_path,
+            hidden=self._hidden,
+            trusted=self._trusted_for(plan_key, plan_path) if policy.writable else (),
+            tmpfs_size=limits.memory_bytes,
+        )
+        cgroup = None
+        if self.cgroups is not None:
+            try:
+                cgroup = self.cgroups.create(
+                    execution_id,
+                    memory_bytes=limits.memory_bytes,
+                    # bubblewrap's pid 1 counts too.
+                    max_tasks=limits.max_processes + 1 if limits.max_processes else None,
+                )
+            except OSError as exc:
+                # Detected at start-up but refused now: sample this one, and say so.
+                logger.warning("no cgroup for %s (%s): its limits are sampled", execution_id, exc)
+        try:
+            process, sandboxed = await launch_sandboxed(
+                launch,
+                credential=credential,
+                transport=self._transport,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                join=cgroup.add if cgroup is not None else None,
+            )
+        except BaseException:
+            if cgroup is not None:
+                with contextlib.suppress(OSError):
+                    cgroup.kill()
+                with contextlib.suppress(OSError):
+                    await cgroup.remove(CGROUP_REMOVE_TIMEOUT_S)
+            raise
+        sandbox_tree = SandboxTree(
+            execution_id,
+            sandboxed.init_pid,
+            sandboxed.pidns,
+            limits,
+            on_violation,
+            cgroup=cgroup,
+            cgroup_counts_cpu=cgroup is not None and cgroup.usage().cpu_s is not None,
+        )
+        self.tracker.track_sandbox(sandbox_tree, process.pid)
+        description = {
+            **launch.description,
+            "limits": cgroup.kind if cgroup is not None else "sampled",
+        }
+        return RunningGuest(
+            execution_id, process, sandbox_tree, description, self, sandboxed, cgroup
+        )

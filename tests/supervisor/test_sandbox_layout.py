@@ -1,0 +1,193 @@
+"""The sandbox's view of the host, decided without starting anything (supervisor/sandbox/).
+
+What the guest's command resolves through, which folders an unprivileged uid
+can search, which plan paths are refused, and the order of bubblewrap's
+mounts. The sandbox itself, with real guests, is tested in
+tests/hardening/test_sandbox.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from supervisor.errors import PlanError
+from supervisor.plan import Plan
+from supervisor.sandbox import SandboxError, SandboxPolicy, check_writable, trusted_paths
+from supervisor.sandbox.layout import GUEST_SOCKET, GUEST_WORKDIR, Layout
+from supervisor.sandbox.paths import Account, command_paths, reachable
+
+NOBODY = Account(65534, 65534)
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A folder every uid may search (pytest's own tmp_path sits in a 0700 one)."""
+    path = Path(tempfile.mkdtemp(prefix="hostcall-layout-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_command_resolves_through_its_symlinks_to_the_real_interpreter_and_its_prefix(
+    tmp_path: Path,
+) -> None:
+    prefix = tmp_path / "python-install"
+    (prefix / "bin").mkdir(parents=True)
+    real = prefix / "bin" / "python3.11"
+    real.write_text("#!/bin/sh\n")
+    real.chmod(0o755)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(real)
+    (venv / "pyvenv.cfg").write_text(f"home = {prefix / 'bin'}\n")
+    script = tmp_path / "agent.py"
+    script.write_text("print(1)\n")
+
+    paths = command_paths(["python", "agent.py", "--flag"], {"PATH": str(venv / "bin")}, tmp_path)
+
+    assert venv / "bin" / "python" in paths
+    assert real in paths
+    assert prefix in paths  # its libraries live beside bin/
+    assert venv in paths
+    assert script in paths  # an argument naming an existing file, relative to cwd
+    assert not any(p.name == "--flag" for p in paths)
+
+
+def test_a_shebang_script_brings_its_interpreter_found_through_env(tmp_path: Path) -> None:
+    tools = tmp_path / "tools" / "bin"
+    tools.mkdir(parents=True)
+    interpreter = tools / "node"
+    interpreter.write_text("")
+    interpreter.chmod(0o755)
+    script = tmp_path / "agent"
+    script.write_text("#!/usr/bin/env node\nconsole.log(1)\n")
+    script.chmod(0o755)
+
+    paths = command_paths([str(script)], {"PATH": str(tools)}, tmp_path)
+
+    assert script in paths
+    assert interpreter in paths
+
+
+def test_an_unprivileged_uid_cannot_search_a_0700_folder_of_roots(open_dir: Path) -> None:
+    closed = open_dir / "closed"
+    (closed / "inner").mkdir(parents=True)
+    closed.chmod(0o700)
+    st = os.stat(closed)
+    account = Account(st.st_uid + 1, st.st_gid + 1)
+    assert reachable(closed / "inner" / "file", account) == closed
+    assert reachable(closed / "inner" / "file", Account(st.st_uid, st.st_gid)) is None
+
+
+def test_a_plan_cannot_make_the_state_dir_or_the_tools_writable(tmp_path: Path) -> None:
+    plan_dir = tmp_path / "plan"
+    plan_dir.mkdir()
+    tools = plan_dir / "tools.py"
+    tools.write_text("")
+    state = tmp_path / "state"
+    trusted = trusted_paths([tools])
+
+    for writable, why in [
+        (tmp_path, "state dir"),  # holds the state dir
+        (state / "receipts", "state dir"),  # inside it
+        (plan_dir, "imports or trusts"),  # holds a tool module
+        (Path(sys.prefix), "imports or trusts"),  # holds the supervisor's own packages
+    ]:
+        policy = SandboxPolicy(read_write=(writable,))
+        with pytest.raises(SandboxError, match=why):
+            check_writable(policy, trusted, state)
+    check_writable(SandboxPolicy(read_write=(tmp_path / "workspace",)), trusted, state)
+
+
+def test_a_sandbox_table_in_a_plan_file_resolves_relative_paths_against_the_plan(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "plan.toml").write_text(
+        '[plan]\nname = "p"\n[sandbox]\nnetwork = "host"\nworkdir = "./work"\n'
+        'read_only = ["inputs"]\nhide = ["~/.ssh"]\n'
+    )
+    plan = Plan.load(tmp_path / "plan.toml")
+    assert plan.sandbox.network == "host"
+    assert plan.sandbox.workdir == tmp_path / "work"
+    assert plan.sandbox.read_only == (tmp_path / "inputs",)
+    assert plan.sandbox.hide == (Path.home() / ".ssh",)
+    assert plan.resolved()["sandbox"]["network"] == "host"
+
+
+def test_a_plan_without_a_sandbox_table_keeps_its_hash_and_an_unknown_key_is_refused(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "plan.toml").write_text('[plan]\nname = "p"\n')
+    plan = Plan.load(tmp_path / "plan.toml")
+    assert "sandbox" not in plan.resolved()
+    (tmp_path / "bad.toml").write_text('[plan]\nname = "p"\n[sandbox]\nnetwork = "lan"\n')
+    with pytest.raises(PlanError, match="network"):
+        Plan.load(tmp_path / "bad.toml")
+    (tmp_path / "typo.toml").write_text('[plan]\nname = "p"\n[sandbox]\nread_olny = []\n')
+    with pytest.raises(PlanError, match="read_olny"):
+        Plan.load(tmp_path / "typo.toml")
+
+
+def _pairs(args: list[str], option: str) -> list[str]:
+    return [args[i + 2] for i, a in enumerate(args) if a == option]
+
+
+def test_folders_root_closes_are_covered_and_the_needed_paths_bound_back_for_the_guest(
+    open_dir: Path,
+) -> None:
+    closed = open_dir / "home"
+    prefix = closed / "python"
+    prefix.mkdir(parents=True)
+    (closed / "secret").write_text("x")
+    closed.chmod(0o700)
+
+    layout = Layout(NOBODY, builder_is_root=True)
+    layout.base(private_dirs=())
+    layout.expose([prefix])
+
+    args = layout.args
+    assert str(closed) in [args[i + 1] for i, a in enumerate(args) if a == "--tmpfs"]
+    assert str(prefix) in _pairs(args, "--ro-bind")
+    assert layout.reachable(prefix) and layout.shows(prefix)
+    assert not layout.shows(closed / "secret")
+
+
+def test_masks_come_last_and_only_where_the_guest_would_see_the_path(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    layout = Layout(NOBODY, builder_is_root=True)
+    layout.base()
+    # Under /tmp the state dir is invisible already: nothing to mask.
+    layout.mask([state])
+    assert layout.masked == []
+    # Once a read-only path shows its folder, the state dir inside is masked.
+    layout.bind(tmp_path, writable=False)
+    layout.mask([state])
+    assert layout.masked == [state]
+    assert layout.args[-2:] == ["--remount-ro", str(state)]
+
+
+def test_the_socket_is_bound_at_its_fixed_place_and_the_fresh_workdir_stays_writable() -> None:
+    layout = Layout(NOBODY, builder_is_root=True)
+    layout.base()
+    assert layout.fresh_workdir() == GUEST_WORKDIR
+    assert layout.socket(Path("/some/state/run/channel.sock")) == GUEST_SOCKET
+    args = layout.args
+    assert args[-5:] == [
+        "--ro-bind",
+        "/some/state/run/channel.sock",
+        str(GUEST_SOCKET),
+        "--remount-ro",
+        str(GUEST_SOCKET.parent),
+    ]
+    # The work dir is a mount of its own: making its parent read-only leaves it writable.
+    assert str(GUEST_WORKDIR) in [args[i + 1] for i, a in enumerate(args) if a == "--tmpfs"]
