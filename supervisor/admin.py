@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
+from channel.connections import ChannelConnection, ChannelListener
 from channel.peer import peer_credentials
 from channel.wire import is_valid_id, parse_strict_json
 from supervisor.approvals import ProposalNotFound, ProposalNotWaiting
@@ -37,6 +39,11 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S: Final = 2.0
 #: Longest request body the admin API reads.
 MAX_BODY: Final = 64 * 1024
+#: Open admin connections at most (operators' CLIs and scrapers).
+MAX_CONNECTIONS: Final = 64
+#: An admin connection that sends no whole request this long is closed.
+IDLE_TIMEOUT_S: Final = 30.0
+LISTEN_BACKLOG: Final = 128
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -77,6 +84,7 @@ class AdminServer:
         self._sup = supervisor
         self.path = path
         self._runner: web.AppRunner | None = None
+        self._listener: ChannelListener | None = None
 
     async def start(self) -> None:
         """Bind ``path`` (any length) with mode 0600 and serve."""
@@ -98,14 +106,36 @@ class AdminServer:
             app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S
         )
         await runner.setup()
-        self.path.unlink(missing_ok=True)
-        with reachable_path(self.path) as bindable:
-            await web.UnixSite(runner, bindable).start()
-        os.chmod(self.path, 0o600)
         self._runner = runner
+        server = runner.server
+        assert server is not None
+        self.path.unlink(missing_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with reachable_path(self.path) as bindable:
+                sock.bind(bindable)
+            os.chmod(self.path, 0o600)
+            sock.listen(LISTEN_BACKLOG)
+            # The channel's own listener: it keeps accepting through EMFILE
+            # (uvloop's would drop the listener for good), so a guest that
+            # exhausts descriptors never locks the operator out (SPEC §13, S9).
+            listener = ChannelListener(
+                sock,
+                lambda slot: ChannelConnection(server, slot, idle_timeout_s=IDLE_TIMEOUT_S),
+                per_group=MAX_CONNECTIONS,
+                total=MAX_CONNECTIONS,
+            )
+        except BaseException:
+            sock.close()
+            raise
+        listener.start()
+        self._listener = listener
 
     async def close(self) -> None:
         """Stop serving and remove the socket."""
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            listener.close()
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()

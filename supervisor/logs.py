@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO, ClassVar, Final, Literal
 
+from supervisor.terminal import escape_controls, is_terminal
+
 __all__ = [
     "EXECUTION_OUTPUT_LIMIT",
     "INVOCATION_OUTPUT_LIMIT",
@@ -350,6 +352,11 @@ class Passthrough:
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None
+        # A terminal gets control characters as text (see supervisor.terminal).
+        try:
+            self._escape = is_terminal(buffer.fileno())
+        except (OSError, ValueError):  # no descriptor (a test's capture buffer)
+            self._escape = False
 
     @classmethod
     def to(cls, stream: IO[str]) -> Passthrough | None:
@@ -387,6 +394,8 @@ class Passthrough:
                 data = self._queue.popleft()
                 self._queued -= len(data)
                 dropped, self._dropped = self._dropped, 0
+            if self._escape:
+                data = escape_controls(data)
             if dropped:
                 data = (
                     f"\n[hostcall: {dropped} bytes of guest output not shown here: "

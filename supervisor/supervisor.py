@@ -55,6 +55,7 @@ from supervisor.receipts import JournaledReceipts, ReceiptLog, Receipts
 from supervisor.sandbox import GUEST_SOCKET, SandboxHost
 from supervisor.statedir import StateDir
 from supervisor.stores import EffectStore, SQLiteEffectStore, store_from_spec
+from supervisor.terminal import StdinRelay, is_terminal
 from supervisor.tracking import TreeTracker, become_subreaper
 
 __all__ = ["ExecutionOutcome", "Limits", "RunOutcome", "Supervisor"]
@@ -400,6 +401,8 @@ class Supervisor:
         identity = GuestIdentity(str(socket), invocation_id, execution.execution_id, plan.plan_hash)
         capture_out = launch.stdout is None
         capture_err = launch.stderr is None
+        # A sandboxed guest never gets the operator's terminal (see supervisor.terminal).
+        relay_stdin = launch.stdin is None and launcher.sandbox is not None and is_terminal(0)
 
         def stop_for(reason: EndReason) -> None:
             execution.stop_reason = reason
@@ -418,7 +421,7 @@ class Supervisor:
                 plan_key=plan.plan_hash,
                 plan_path=plan.path,
                 cwd=launch.cwd,
-                stdin=launch.stdin,
+                stdin=asyncio.subprocess.PIPE if relay_stdin else launch.stdin,
                 stdout=asyncio.subprocess.PIPE if capture_out else launch.stdout,
                 stderr=asyncio.subprocess.PIPE if capture_err else launch.stderr,
             )
@@ -434,6 +437,8 @@ class Supervisor:
         execution.launched.set()
         execution.process = process
         execution.state = ExecutionState.RUNNING
+        if relay_stdin and process.stdin is not None:
+            StdinRelay.shared().attach(process.stdin)
         pumps = self._start_pumps(
             process, execution, invocation, credential, capture_out, capture_err
         )
@@ -448,6 +453,8 @@ class Supervisor:
         finally:
             # The credential stops working the moment the execution ends.
             execution.end()
+            if relay_stdin and process.stdin is not None:
+                StdinRelay.shared().detach(process.stdin)
             await asyncio.shield(guest.stop(self._stop_grace_s))
             if pumps:
                 with contextlib.suppress(TimeoutError):

@@ -184,6 +184,10 @@ class SandboxHost:
         layout = Layout(self.account, builder_is_root=self.root, tmpfs_size=tmpfs_size)
         layout.base()
         needed = command_paths(argv, env, cwd)
+        if policy.workdir is None and layout.shows(cwd):
+            # The launch folder, not under /tmp: the working directory is an
+            # overlay of it, reachable even where root's folders close the way.
+            needed.append(cwd)
         if policy.network == "host":
             # /etc/resolv.conf is often a link into /run, which the guest gets fresh.
             needed.append(Path(os.path.realpath("/etc/resolv.conf")))
