@@ -267,6 +267,8 @@ class AdminServer:
             return _error(
                 409, "execution_not_live", f"execution {execution_id} is {execution.state}"
             )
+        # Answer once its guest is gone (S5): "cancelled" means nothing of it runs.
+        await self._sup.wait_stopped(execution_id)
         return web.json_response(execution.describe())
 
     async def _revoke(self, request: web.Request) -> web.Response:

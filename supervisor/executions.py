@@ -56,6 +56,8 @@ class Execution:
     outcome: ExecutionOutcome | None = None
 
     launched: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set once its guest is gone, every process of it ended, and its outcome known.
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def wait_launched(self, timeout_s: float) -> None:
         """Wait (bounded) until the guest's pid is recorded."""
@@ -86,11 +88,17 @@ class Execution:
         return Refusal("cancelled", "the execution ended before the call was dispatched")
 
     def describe(self) -> dict[str, object]:
-        """This execution for the admin API (with its outcome once it ended)."""
+        """This execution for the admin API (with its outcome once it ended).
+
+        An execution that no longer accepts calls but whose guest is still
+        being stopped is ``stopping``: ``ended``, ``cancelled`` or ``fenced``
+        mean that no process of it is alive any more (SPEC §13, S5).
+        """
+        stopping = not self.live and self.guest_pid is not None and self.outcome is None
         return {
             "execution_id": self.execution_id,
             "invocation_id": self.invocation_id,
-            "state": str(self.state),
+            "state": "stopping" if stopping else str(self.state),
             "guest_pid": self.guest_pid,
             "sandbox": dict(self.sandbox) if isinstance(self.sandbox, Mapping) else self.sandbox,
             "outcome": self.outcome.to_json() if self.outcome is not None else None,
@@ -140,6 +148,8 @@ class ExecutionTable:
     def retire(self, execution: Execution) -> None:
         """Keep only what an ended execution needs: its identity facts and outcome."""
         execution.process = None
+        execution.stopped.set()
+        execution.stopped = _ENDED
         execution.broker = ENDED_BROKER  # type: ignore[assignment]
         execution.on_end = None
         execution.ended = _ENDED  # one shared, already-set event for all retired ones

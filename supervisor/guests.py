@@ -37,7 +37,13 @@ from supervisor.process import (
     stop_sandbox,
     stop_tree,
 )
-from supervisor.sandbox import SandboxHost, SandboxPolicy, trusted_paths
+from supervisor.sandbox import (
+    SandboxError,
+    SandboxHost,
+    SandboxLaunch,
+    SandboxPolicy,
+    trusted_paths,
+)
 from supervisor.sandbox.usage import SandboxTree
 from supervisor.tracking import GuestTree, TreeTracker
 
@@ -47,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 #: How long an ended execution's cgroup may take to empty before it is left.
 CGROUP_REMOVE_TIMEOUT_S: Final = 5.0
+#: Builds of a sandbox before its failure to start is the guest's outcome.
+SANDBOX_ATTEMPTS: Final = 2
 
 
 @dataclass(eq=False)
@@ -205,17 +213,41 @@ class GuestLauncher:
             tree = self.tracker.track(execution_id, process.pid, limits, on_violation)
             return RunningGuest(execution_id, process, tree, "off", self)
         _check_command(argv, env, Path(cwd) if cwd is not None else Path.cwd())
-        launch = self.sandbox.build(
-            policy,
-            argv=argv,
-            env=env,
-            cwd=Path(cwd) if cwd is not None else Path.cwd(),
-            state_dir=self._state_dir,
-            socket=self._socket_path,
-            hidden=self._hidden,
-            trusted=self._trusted_for(plan_key, plan_path) if policy.writable else (),
-            tmpfs_size=limits.memory_bytes,
-        )
+        for attempt in range(1, SANDBOX_ATTEMPTS + 1):
+            launch = self.sandbox.build(
+                policy,
+                argv=argv,
+                env=env,
+                cwd=Path(cwd) if cwd is not None else Path.cwd(),
+                state_dir=self._state_dir,
+                socket=self._socket_path,
+                hidden=self._hidden,
+                trusted=self._trusted_for(plan_key, plan_path) if policy.writable else (),
+                tmpfs_size=limits.memory_bytes,
+            )
+            try:
+                return await self._start_sandboxed(
+                    execution_id, launch, credential, limits, on_violation, stdin, stdout, stderr
+                )
+            except SandboxError as exc:
+                if attempt == SANDBOX_ATTEMPTS:
+                    raise
+                # A path masked a moment ago (another program's socket) may be
+                # gone by the time bubblewrap mounts over it: build it anew.
+                logger.warning("the sandbox of %s did not start (%s); again", execution_id, exc)
+        raise AssertionError("unreachable")
+
+    async def _start_sandboxed(
+        self,
+        execution_id: str,
+        launch: SandboxLaunch,
+        credential: str,
+        limits: Limits,
+        on_violation: Callable[[EndReason], None],
+        stdin: int | IO[Any] | None,
+        stdout: int | IO[Any] | None,
+        stderr: int | IO[Any] | None,
+    ) -> RunningGuest:
         cgroup = None
         if self.cgroups is not None:
             try:

@@ -54,6 +54,8 @@ _STOP_POLL_S: Final = 0.02
 _REAP_POLL_S: Final = 0.002
 #: How long bubblewrap may take to report its sandbox's pid 1.
 SANDBOX_START_TIMEOUT_S: Final = 30.0
+#: How long a sandbox that failed to start may take to say why.
+STDERR_TAIL_TIMEOUT_S: Final = 1.0
 
 CredentialTransport = Literal["fd", "env"]
 
@@ -149,6 +151,7 @@ class Sandboxed:
     #: reused as soon as it is freed, and another sandbox must not get this
     #: one's while the channel still accepts it.
     nsfd: int | None = field(default=None, repr=False)
+    _reaped: bool = field(default=False, repr=False)
 
     def signal(self, signum: int) -> None:
         """Signal pid 1; SIGKILL ends every process of the sandbox at once."""
@@ -193,17 +196,52 @@ class Sandboxed:
                 gone = False
             finally:
                 loop.remove_reader(self.pidfd)
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(self.init_pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG: never blocks
+        if gone:
+            self._reaped = _reap(self.init_pid)
         return gone
 
     def close(self) -> None:
-        """Release the pidfd and the namespace. Idempotent."""
-        for name in ("pidfd", "nsfd"):
-            fd = getattr(self, name)
-            if fd is not None:
-                setattr(self, name, None)
-                os.close(fd)
+        """Release the pidfd and the namespace. Idempotent.
+
+        A pid 1 not yet reaped (it became our child when bubblewrap's monitor
+        ended first, and is still dying) is reaped as soon as it exits, so no
+        zombie is left behind.
+        """
+        if self.pidfd is not None:
+            pidfd, self.pidfd = self.pidfd, None
+            if self._reaped:
+                os.close(pidfd)
+            else:
+                _reap_when_exited(self.init_pid, pidfd)
+        if self.nsfd is not None:
+            nsfd, self.nsfd = self.nsfd, None
+            os.close(nsfd)
+
+
+def _reap(pid: int) -> bool:
+    """Reap ``pid`` if it is an exited child of ours; True unless it is one still running."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True  # not ours (its own parent reaps it), or reaped already
+    return done == pid
+
+
+def _reap_when_exited(pid: int, pidfd: int) -> None:
+    """Reap ``pid`` once its pidfd says it has exited; takes the pidfd."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        _reap(pid)
+        os.close(pidfd)
+        return
+
+    def exited() -> None:
+        loop.remove_reader(pidfd)
+        _reap(pid)
+        os.close(pidfd)
+
+    loop.add_reader(pidfd, exited)
 
 
 async def launch_sandboxed(
@@ -229,12 +267,20 @@ async def launch_sandboxed(
             ``join`` failed (the sandbox is then killed).
     """
     env = dict(launch.env)
-    cred_fd = _credential_fd(env, credential, transport)
+    # The credential is written only once the sandbox is in its cgroup: should
+    # the supervisor die before, a guest that runs anyway reads nothing.
+    cred_r: int | None = None
+    cred_w: int | None = None
+    if transport == "fd":
+        cred_r, cred_w = os.pipe()
+        env["HOSTCALL_CREDENTIAL_FD"] = str(cred_r)
+    else:
+        _credential_fd(env, credential, transport)
     args_r, args_w = os.pipe()
     info_r, info_w = os.pipe()
     block_r, block_w = os.pipe()
-    ours = [args_w, info_r, block_w]
-    theirs = [args_r, info_w, block_r, *([] if cred_fd is None else [cred_fd])]
+    ours = [args_w, info_r, block_w, *([] if cred_w is None else [cred_w])]
+    theirs = [args_r, info_w, block_r, *([] if cred_r is None else [cred_r])]
     try:
         options = [*launch.options, "--info-fd", str(info_w), "--block-fd", str(block_r)]
         _write_all(args_w, b"".join(o.encode() + b"\0" for o in options))
@@ -259,23 +305,47 @@ async def launch_sandboxed(
         raise
     for fd in theirs:
         os.close(fd)
+    sandbox: Sandboxed | None = None
     try:
         info = await _read_to_eof(info_r, SANDBOX_START_TIMEOUT_S)
         sandbox = _sandbox_from(info)
         if join is not None:
             join(sandbox.init_pid)
+        if cred_w is not None:
+            _write_all(cred_w, credential.encode("ascii"))
+            os.close(cred_w)
+            ours.remove(cred_w)
         with contextlib.suppress(BrokenPipeError):
             os.write(block_w, b"x")  # the guest may run now
     except BaseException as exc:
+        # Its pid 1 has no parent-death signal until the guest starts: kill
+        # both, before the blocked pid 1 sees our end of the pipe close.
+        if sandbox is not None:
+            sandbox.signal(signal.SIGKILL)
+            sandbox.close()
         with contextlib.suppress(ProcessLookupError):
-            process.kill()  # its pid 1 follows (--die-with-parent)
-        if isinstance(exc, Exception) and not isinstance(exc, SandboxError | OSError):
-            raise SandboxError(f"the sandbox did not start: {exc}") from exc
+            process.kill()
+        if isinstance(exc, Exception):  # not a cancel: the sandbox failed to start
+            detail = await _stderr_tail(process)
+            message = exc.message if isinstance(exc, SandboxError) else str(exc)
+            raise SandboxError(f"the sandbox did not start: {message}{detail}") from exc
         raise
     finally:
-        os.close(info_r)
-        os.close(block_w)
+        for fd in ours:
+            os.close(fd)
     return process, sandbox
+
+
+async def _stderr_tail(process: asyncio.subprocess.Process) -> str:
+    """What bubblewrap said before it failed (its stderr is the guest's, when piped)."""
+    tail = b""
+    with contextlib.suppress(TimeoutError, OSError, ValueError):
+        async with asyncio.timeout(STDERR_TAIL_TIMEOUT_S):
+            if process.stderr is not None:
+                tail = await process.stderr.read(4096)
+            await process.wait()
+    text = tail.decode(errors="replace").strip().splitlines()
+    return f" ({text[-1]})" if text else ""
 
 
 def _write_all(fd: int, data: bytes) -> None:

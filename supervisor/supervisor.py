@@ -67,6 +67,8 @@ ATTEMPT_BACKOFF_S: Final = 0.5
 ATTEMPT_BACKOFF_MAX_S: Final = 10.0
 #: Worker threads for sync handlers (each blocked handler holds one).
 HANDLER_THREADS: Final = 64
+#: Beyond the stop's grace periods, how long a stop may take to be reported.
+STOPPED_SLACK_S: Final = 5.0
 
 
 @dataclass(eq=False)
@@ -84,6 +86,13 @@ class Supervisor:
 
     Use as ``async with Supervisor(state_dir=...) as sup:``; the state dir is
     locked for as long as the supervisor runs.
+
+    Every guest runs in a sandbox (docs/sandbox.md) unless ``sandbox=False``;
+    ``guest_uid`` is the uid guests run as when the supervisor is root
+    (default 65534). Each guest may hold ``max_connections_per_execution``
+    channel connections, idle ones closed after ``idle_timeout_s``; its output
+    is cut at ``execution_output_limit`` bytes, and all of an invocation's at
+    ``invocation_output_limit``.
     """
 
     def __init__(
@@ -565,6 +574,17 @@ class Supervisor:
             return False
         execution.end(ExecutionState.CANCELLED)
         return True
+
+    async def wait_stopped(self, execution_id: str) -> bool:
+        """Wait (bounded by the stop's own grace periods) until an ended
+        execution's guest is gone; returns whether it is."""
+        execution = self._executions.lookup(execution_id)
+        if execution is None:
+            return False
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._stop_grace_s * 3 + STOPPED_SLACK_S):
+                await execution.stopped.wait()
+        return execution.stopped.is_set()
 
     async def launch(
         self,

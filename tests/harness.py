@@ -308,3 +308,51 @@ def processes_in_pid_namespace(inode: int) -> list[int]:
         if state not in (b"Z", b"X") and pid_namespace_of(int(name)) == inode:
             found.append(int(name))
     return found
+
+
+class TreeWatch:
+    """Holds on to a running guest's processes so that a later check cannot be
+    fooled by a recycled pid or a recycled pid-namespace number.
+
+    Give it what the guest printed about itself (its pids and ``pidns``) while
+    it still runs. A sandboxed guest's namespace is pinned by a descriptor (a
+    namespace's inode number is reused as soon as it is freed); an
+    unsandboxed guest's processes are remembered with their start times.
+    """
+
+    def __init__(self, tree: dict[str, int], *, sandboxed: bool) -> None:
+        import psutil
+
+        tree = dict(tree)
+        self.pidns = tree.pop("pidns")
+        self.sandboxed = sandboxed
+        self._nsfd: int | None = None
+        self._processes: list[psutil.Process] = []
+        if sandboxed:
+            for pid in processes_in_pid_namespace(self.pidns):
+                with contextlib.suppress(OSError):
+                    self._nsfd = os.open(f"/proc/{pid}/ns/pid", os.O_RDONLY)
+                    break
+            assert self._nsfd is not None, "the sandbox ended before it could be watched"
+        else:
+            for pid in tree.values():
+                with contextlib.suppress(psutil.Error):
+                    self._processes.append(psutil.Process(pid))
+
+    def alive(self) -> list[int]:
+        """The watched processes still alive (zombies are not)."""
+        import psutil
+
+        if self.sandboxed:
+            return processes_in_pid_namespace(self.pidns)
+        found = []
+        for process in self._processes:
+            with contextlib.suppress(psutil.Error):
+                if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(process.pid)
+        return found
+
+    def close(self) -> None:
+        if self._nsfd is not None:
+            os.close(self._nsfd)
+            self._nsfd = None

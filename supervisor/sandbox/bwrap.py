@@ -4,10 +4,11 @@ Two ways to start a guest, chosen by who the supervisor is (SPEC §13, S7):
 
 - **as root**: bubblewrap runs as root (so it can bind anything the command
   needs, ``/root`` included) with no user namespace, keeps only
-  ``CAP_SETUID``/``CAP_SETGID``, and the command starts through util-linux's
-  ``setpriv``, which drops to an unprivileged uid before the guest's own
-  program runs. Seen from outside, every guest process has that uid and no
-  capability; ``no_new_privs`` (set by bubblewrap) keeps it that way;
+  ``CAP_SETUID``/``CAP_SETGID``/``CAP_SETPCAP``, and the command starts
+  through util-linux's ``setpriv``, which empties the capability bounding set
+  and drops to an unprivileged uid before the guest's own program runs. Seen
+  from outside, every guest process has that uid and no capability;
+  ``no_new_privs`` (set by bubblewrap) keeps it that way;
 - **as anyone else**: bubblewrap creates a user namespace (unprivileged user
   namespaces must be allowed), mapping the supervisor's uid to itself, and
   forbids nested ones (``--disable-userns``).
@@ -121,8 +122,11 @@ class SandboxHost:
         if not self.root:
             options += ["--unshare-user", "--disable-userns"]
         else:
-            # Only what setpriv needs to drop to the guest's uid; it then has none.
-            options += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            # Only what setpriv needs to drop to the guest's uid and empty the
+            # bounding set; the guest then has none, and can gain none.
+            options += ["--cap-drop", "ALL"]
+            for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"):
+                options += ["--cap-add", cap]
         return [*options, "--die-with-parent", "--new-session"]
 
     def command_prefix(self) -> list[str]:
@@ -137,6 +141,7 @@ class SandboxHost:
             f"--regid={gid}",
             "--clear-groups",
             "--inh-caps=-all",
+            "--bounding-set=-all",
             "--",
         ]
 
@@ -192,12 +197,10 @@ class SandboxHost:
             # /etc/resolv.conf is often a link into /run, which the guest gets fresh.
             needed.append(Path(os.path.realpath("/etc/resolv.conf")))
         layout.expose(needed)
-        for path in policy.read_only:
-            layout.bind(path, writable=False)
-        for path in policy.read_write:
-            layout.bind(path, writable=True)
         state_dirs = {state_dir, Path(os.path.realpath(state_dir))}
         hide = {*policy.hide, *(Path(os.path.realpath(p)) for p in policy.hide)}
+        # The working directory before the plan's paths: an overlay of the launch
+        # folder would otherwise cover a read_write folder inside it.
         if policy.workdir is not None:
             layout.bind(policy.workdir, writable=True)
             inside_cwd = policy.workdir
@@ -209,6 +212,10 @@ class SandboxHost:
         else:
             inside_cwd = layout.fresh_workdir()
             workdir = "fresh"
+        for path in policy.read_only:
+            layout.bind(path, writable=False)
+        for path in policy.read_write:
+            layout.bind(path, writable=True)
         inside_socket = layout.socket(socket)
         # A socket path may run through a link (/var/run -> /run): mask where it really is.
         sockets = {Path(os.path.realpath(s)) for s in bound_unix_sockets()} - {socket}

@@ -155,18 +155,37 @@ class Layout:
                         self._tmpfs(ancestor, 0o755)
                         break
         for path in wanted:
-            if self.shows(path) and self.reachable(path):
-                continue
             if not self._builder_can_reach(path):
                 continue  # the guest, being the same uid, cannot reach it either
-            self.bind(path, writable=False)
+            if os.path.islink(path):
+                self._links(path)  # its target is wanted too (a hop of its own)
+            elif not (self.shows(path) and self.reachable(path)):
+                self.bind(path, writable=False)
 
     def bind(self, path: Path, *, writable: bool) -> None:
-        """Bind a host path at its own place."""
-        self._parents(path)
-        self.args += ["--bind" if writable else "--ro-bind", str(path), str(path)]
-        self._mounts.append(_Mount(path, "host"))
-        self.exposed.append(path)
+        """Bind a host path at its own place.
+
+        Mounted where it really is (bubblewrap would resolve a symlink in the
+        source but mount at the link's own place, where masks computed for the
+        real place would not cover it), with the links on the way recreated
+        where the guest would not otherwise see them.
+        """
+        real = Path(os.path.realpath(path))
+        self._parents(real)
+        self.args += ["--bind" if writable else "--ro-bind", str(real), str(real)]
+        self._mounts.append(_Mount(real, "host"))
+        self.exposed.append(real)
+        if real != path:
+            self._links(path)
+
+    def _links(self, path: Path) -> None:
+        """The host's symlinks on the way to ``path`` (and ``path`` itself),
+        made inside where the guest does not see the host's own."""
+        for prefix in [*reversed(path.parents), path]:
+            if os.path.islink(prefix) and not self.shows(prefix):
+                self._parents(prefix)
+                self.args += ["--symlink", os.readlink(prefix), str(prefix)]
+                self._mounts.append(_Mount(prefix, "fresh"))
 
     def _parents(self, path: Path) -> None:
         """Folders bubblewrap makes on the way to a mount point inside a fresh

@@ -17,7 +17,9 @@ supervisor). :func:`check_writable` refuses such a plan before anything runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import site
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -116,18 +118,51 @@ def trusted_paths(extra: Iterable[Path] = ()) -> list[Path]:
     return sorted(found)
 
 
+def import_paths() -> list[Path]:
+    """Folders whose new files Python would run in a later supervisor although
+    none is there yet: the site folders (a ``.pth`` file there runs at start-up;
+    the user's own ``~/.local/...`` counts even before it exists) and the
+    bytecode cache prefix, if one is set."""
+    found = []
+    with contextlib.suppress(AttributeError):
+        found += site.getsitepackages()
+    with contextlib.suppress(AttributeError):
+        found += [site.getuserbase(), site.getusersitepackages()]
+    if sys.pycache_prefix:
+        found.append(sys.pycache_prefix)
+    return [Path(os.path.realpath(p)) for p in found if p]
+
+
 def check_writable(policy: SandboxPolicy, trusted: Iterable[Path], state_dir: Path) -> None:
     """Refuse a writable path that holds, or lies inside, something trusted.
+
+    Trusted are the state dir, ``trusted`` (see :func:`trusted_paths`), the
+    site folders and bytecode cache (:func:`import_paths`, inside or holding),
+    and any ``__pycache__`` folder: Python loads the bytecode it finds there
+    without reading the source, so a guest writing one would run its code in
+    the next supervisor that imports the module beside it.
 
     Raises:
         SandboxError: with a one-line reason naming both paths.
     """
     state = Path(os.path.realpath(state_dir))
     trusted = list(trusted)
+    imports = import_paths()
     for writable in policy.writable:
         real = Path(os.path.realpath(writable))
         if real == Path("/"):
             raise SandboxError(f"[sandbox] cannot make / writable for the guest ({writable})")
+        if "__pycache__" in real.parts:
+            raise SandboxError(
+                f"[sandbox] writable path {writable} is a bytecode cache (__pycache__): "
+                "a guest writing there would run its code in the supervisor"
+            )
+        for path in imports:
+            if is_within(real, path) or is_within(path, real):
+                raise SandboxError(
+                    f"[sandbox] writable path {writable} reaches {path}, where Python finds "
+                    "code to run at start-up; name a folder outside it"
+                )
         if is_within(real, state) or is_within(state, real):
             raise SandboxError(
                 f"[sandbox] writable path {writable} overlaps the state dir {state_dir}: "

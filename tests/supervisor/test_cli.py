@@ -9,10 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.harness import STEP_TIMEOUT_S, processes_in_pid_namespace
+from tests.harness import STEP_TIMEOUT_S, TreeWatch
 
 GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
 TOOLS = """
@@ -83,26 +82,45 @@ def test_run_exits_128_plus_n_when_a_signal_ended_the_guest(
     assert "signal 9" in done.stderr
 
 
+def start_tree(state: Path, plan: Path, *extra: str) -> subprocess.Popen[str]:
+    """``hostcall run -- scripted.py tree``, its output read as it comes."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "run",
+            "--state-dir",
+            str(state),
+            "--plan",
+            str(plan),
+            *extra,
+            "--",
+            sys.executable,
+            str(GUEST),
+            "tree",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 @pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
 def test_a_timeout_exits_124_and_ends_the_whole_tree_including_a_setsid_grandchild(
     tmp_path: Path, plan_file: Path, sandbox: bool
 ) -> None:
-    extra = ("--timeout", "1", *(() if sandbox else ("--no-sandbox",)))
-    done = run_guest(tmp_path / "st", plan_file, "tree", extra=extra)
-    assert done.returncode == 124
-    assert "timeout" in done.stderr
-    assert_tree_ended(json.loads(done.stdout.splitlines()[0]), sandbox=sandbox)
-
-
-def assert_tree_ended(tree: dict[str, int], *, sandbox: bool) -> None:
-    """Nothing of the guest's tree is alive: in a sandbox, no process is left in
-    its pid namespace (the pids it printed are the namespace's own)."""
-    pidns = tree.pop("pidns")
-    if sandbox:
-        assert processes_in_pid_namespace(pidns) == []
-        return
-    for name, pid in tree.items():
-        assert not _alive(pid), f"{name} ({pid}) survived"
+    extra = ("--timeout", "2", *(() if sandbox else ("--no-sandbox",)))
+    with start_tree(tmp_path / "st", plan_file, *extra) as hostcall_process:
+        assert hostcall_process.stdout is not None
+        watch = TreeWatch(json.loads(hostcall_process.stdout.readline()), sandboxed=sandbox)
+        try:
+            _, stderr = hostcall_process.communicate(timeout=STEP_TIMEOUT_S)
+            assert hostcall_process.returncode == 124
+            assert "timeout" in stderr
+            assert watch.alive() == []
+        finally:
+            watch.close()
 
 
 def test_the_json_summary_is_machine_readable(tmp_path: Path, plan_file: Path) -> None:
@@ -271,39 +289,17 @@ def test_the_guest_output_passes_through_and_hostcall_variables_are_set(
 def test_sigterm_to_hostcall_stops_the_guest_tree_and_exits_128_plus_15(
     tmp_path: Path, plan_file: Path, sandbox: bool
 ) -> None:
-    with subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "supervisor.cli",
-            "run",
-            "--state-dir",
-            str(tmp_path / "st"),
-            "--plan",
-            str(plan_file),
-            *(() if sandbox else ("--no-sandbox",)),
-            "--",
-            sys.executable,
-            str(GUEST),
-            "tree",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as hostcall_process:
+    extra = () if sandbox else ("--no-sandbox",)
+    with start_tree(tmp_path / "st", plan_file, *extra) as hostcall_process:
         assert hostcall_process.stdout is not None
-        tree = json.loads(hostcall_process.stdout.readline())
-        assert hostcall_process.stdout.readline().strip() == "ready"
-        hostcall_process.send_signal(signal.SIGTERM)
-        assert hostcall_process.wait(timeout=STEP_TIMEOUT_S) == 128 + signal.SIGTERM
-    assert_tree_ended(tree, sandbox=sandbox)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+        watch = TreeWatch(json.loads(hostcall_process.stdout.readline()), sandboxed=sandbox)
+        try:
+            assert hostcall_process.stdout.readline().strip() == "ready"
+            hostcall_process.send_signal(signal.SIGTERM)
+            assert hostcall_process.wait(timeout=STEP_TIMEOUT_S) == 128 + signal.SIGTERM
+            assert watch.alive() == []
+        finally:
+            watch.close()
 
 
 def test_attempts_relaunch_until_success_and_report_each_execution(

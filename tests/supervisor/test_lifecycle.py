@@ -6,16 +6,16 @@ import asyncio
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import psutil
 import pytest
 
 from supervisor import Supervisor
+from supervisor.executions import Execution
 from supervisor.limits import Limits
 from supervisor.sandbox import SandboxPolicy
-from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan, processes_in_pid_namespace
+from tests.harness import STEP_TIMEOUT_S, Ledger, TreeWatch, billing_plan
 
 #: A guest that starts a child in its group, a setsid'd grandchild, and a
 #: double-forked daemon (its parent exits at once), prints their pids and its
@@ -60,34 +60,33 @@ async def quick(tmp_path: Path, request: pytest.FixtureRequest) -> Supervisor:
         yield supervisor  # type: ignore[misc]
 
 
-def assert_tree_ended(sup: Supervisor, tree: dict[str, int]) -> None:
-    """Nothing of the guest's tree is alive: in a sandbox, no process is left
-    in its pid namespace (the pids it printed are the namespace's own)."""
-    pidns = tree.pop("pidns")
-    if sup.sandboxed:
-        assert processes_in_pid_namespace(pidns) == []
-        return
-    for name, pid in tree.items():
-        assert not alive(pid), f"{name} ({pid}) survived"
-
-
 async def test_a_timeout_ends_the_tree_including_setsid_and_double_forked_daemons(
     quick: Supervisor, ledger: Ledger
 ) -> None:
-    with tempfile.TemporaryFile() as out:  # a descriptor: the guest needs no path
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            outcome = await quick.run(
-                billing_plan(ledger),
-                [sys.executable, "-c", TREE_GUEST],
-                timeout_s=2,
-                stdout=out,
-            )
-        out.seek(0)
-        tree = json.loads(out.readline())
-    assert outcome.last.reason == "timeout"
-    assert outcome.exit_status == 124
-    assert len(tree) == 5
-    assert_tree_ended(quick, tree)
+    started: asyncio.Future[Execution] = asyncio.get_running_loop().create_future()
+    run = asyncio.create_task(
+        quick.run(
+            billing_plan(ledger),
+            [sys.executable, "-c", TREE_GUEST],
+            timeout_s=3,
+            stdout=asyncio.subprocess.PIPE,
+            on_start=started.set_result,
+        )
+    )
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        execution = await started
+        stdout = execution.process.stdout
+        assert stdout is not None
+        tree = json.loads(await stdout.readline())
+        watch = TreeWatch(tree, sandboxed=quick.sandboxed)
+        try:
+            outcome = await run
+            assert outcome.last.reason == "timeout"
+            assert outcome.exit_status == 124
+            assert len(tree) == 5
+            assert watch.alive() == []
+        finally:
+            watch.close()
 
 
 async def test_processes_left_behind_after_a_normal_exit_are_ended(
@@ -268,14 +267,17 @@ async def test_a_python_api_cancel_stops_the_guest_tree(quick: Supervisor, ledge
         execution = await started
         stdout = execution.process.stdout  # type: ignore[attr-defined]
         assert stdout is not None
-        tree = json.loads(await stdout.readline())
-        assert await stdout.readline() == b"ready\n"
-        assert quick.cancel(execution.execution_id)  # type: ignore[attr-defined]
-        assert not quick.cancel(execution.execution_id)  # type: ignore[attr-defined]
-        outcome = await run
-    assert outcome.last.reason == "cancelled"
-    assert outcome.exit_status == 128 + 9  # it ignored TERM, so KILL ended it
-    assert_tree_ended(quick, tree)
+        watch = TreeWatch(json.loads(await stdout.readline()), sandboxed=quick.sandboxed)
+        try:
+            assert await stdout.readline() == b"ready\n"
+            assert quick.cancel(execution.execution_id)  # type: ignore[attr-defined]
+            assert not quick.cancel(execution.execution_id)  # type: ignore[attr-defined]
+            outcome = await run
+            assert outcome.last.reason == "cancelled"
+            assert outcome.exit_status == 128 + 9  # it ignored TERM, so KILL ended it
+            assert watch.alive() == []
+        finally:
+            watch.close()
 
 
 CALLER = r"""
