@@ -12,6 +12,7 @@ EndReason = Literal[
     "signalled",  # a signal the supervisor did not send ended it
     "timeout",  # wall-clock timeout
     "cancelled",  # the admin API / Python API / hostcall itself stopped it
+    "fenced",  # a newer execution of its invocation took over (SPEC §13, S5)
     "memory_limit",  # RSS of the whole tree over the limit
     "cpu_limit",  # CPU seconds of the whole tree over the limit
     "process_limit",  # more processes in the tree than allowed

@@ -48,7 +48,7 @@ class ExecutionOutcome:
             return EXIT_LIMIT
         if self.signal is not None:
             return 128 + self.signal
-        if self.reason == "cancelled" and not self.exit_code:
+        if self.reason in ("cancelled", "fenced") and not self.exit_code:
             return 128 + signals.SIGTERM
         return self.exit_code if self.exit_code is not None else 1
 
@@ -60,6 +60,8 @@ class ExecutionOutcome:
             ended = f"was stopped by its {self.reason.replace('_', ' ')}"
         elif self.reason == "cancelled":
             ended = "was cancelled"
+        elif self.reason == "fenced":
+            ended = "was stopped: a newer execution of its invocation took over"
         elif self.signal is not None:
             ended = f"was ended by signal {self.signal} ({signals.Signals(self.signal).name})"
         else:

@@ -328,7 +328,7 @@ class Supervisor:
             invocation = await self._open_invocation(plan, invocation_id)
             outcome = await self._run_once(plan, invocation_id, invocation, launch)
             outcomes.append(outcome)
-            if outcome.exit_status == 0 or outcome.reason == "cancelled":
+            if outcome.exit_status == 0 or outcome.reason in ("cancelled", "fenced"):
                 break
         return RunOutcome(invocation_id, tuple(outcomes))
 
@@ -632,10 +632,9 @@ async def _wait_for_guest(
     process: asyncio.subprocess.Process, execution: Execution, timeout_s: float | None
 ) -> EndReason:
     """Wait until the guest exits (``exited``), its execution is cancelled
-    (``cancelled``) or the timeout passes (``timeout``).
-
-    A fenced execution keeps running until it exits or times out: a newer
-    attempt took over, and every call it makes is refused ``execution_fenced``.
+    (``cancelled``, or a limit's reason), fenced by a newer attempt
+    (``fenced``) or the timeout passes (``timeout``). The caller then ends
+    its whole tree: nothing of an ended execution may run on (SPEC §13, S5).
     """
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
@@ -651,9 +650,9 @@ async def _wait_for_guest(
             if not done:
                 return "timeout"
             if stopped in done:
-                waiting.discard(stopped)
-                if execution.state is not ExecutionState.FENCED:
-                    return execution.stop_reason or "cancelled"
+                if execution.state is ExecutionState.FENCED:
+                    return "fenced"
+                return execution.stop_reason or "cancelled"
         return "exited"
     finally:
         exited.cancel()

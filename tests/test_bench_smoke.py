@@ -17,7 +17,7 @@ from tests.harness import without_hostcall_env
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "scripts" / "benchmarks" / "run.py"
 #: The whole quick run, every child process included, stays well inside this.
-QUICK_RUN_TIMEOUT_S = 120
+QUICK_RUN_TIMEOUT_S = 180
 
 HTTP_TARGETS = [
     "echo",
@@ -26,6 +26,15 @@ HTTP_TARGETS = [
     "hostcall-memory-sync",
     "hostcall-sqlite-sync",
 ]
+#: ``hostcall run`` by default (sandboxed) and with ``--no-sandbox``.
+SANDBOXED_TARGETS = {
+    "hostcall-memory": True,
+    "hostcall-sqlite": True,
+    "hostcall-memory-sync": True,
+    "hostcall-sqlite-sync": True,
+    "hostcall-memory-nosandbox": False,
+    "hostcall-sqlite-nosandbox": False,
+}
 POINT_FIELDS = {
     "tool",
     "inflight",
@@ -51,6 +60,16 @@ CHECKS = {
     "many_rss_mb",
     "launch_overhead_ms",
 }
+#: The cost of the sandbox (issue 12, item 7).
+SANDBOX_CHECKS = {
+    "launch_overhead_sandbox_ms",
+    "memory1_sandbox_vs_off",
+    "memory32_sandbox_vs_off",
+    "sqlite1_sandbox_vs_off",
+    "sqlite32_sandbox_vs_off",
+    "many_not_ok",
+}
+LAUNCH_MODES = {"sandbox": True, "sandbox_fresh_workdir": True, "no_sandbox": False}
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +130,36 @@ def test_a_quick_run_measures_every_http_target_at_1_and_32_calls_in_flight(
             _assert_point_is_well_formed(found)
 
 
+def test_hostcall_is_measured_with_its_guest_in_the_sandbox_and_without_it_at_1_and_32(
+    quick_run: tuple[dict[str, Any], str],
+) -> None:
+    results, _ = quick_run
+    for target, sandboxed in SANDBOXED_TARGETS.items():
+        entry = results["targets"][target]
+        assert entry["status"] == "ok", entry
+        assert entry["sandboxed"] is sandboxed, target
+        assert [p["inflight"] for p in entry["points"]] == [1, 32]
+        for found in entry["points"]:
+            _assert_point_is_well_formed(found)
+            # Read off the supervisor's CPU, sampled from outside the guest.
+            assert found["server_cpu_from"] == "trace"
+
+
+def test_the_sandbox_on_and_off_are_compared_within_back_to_back_pairs(
+    quick_run: tuple[dict[str, Any], str],
+) -> None:
+    results, _ = quick_run
+    pairs = results["sandbox_pairs"]
+    assert pairs["pairs"] == 1
+    for store in ("memory", "sqlite"):
+        for inflight in ("1", "32"):
+            found = pairs[store][inflight]
+            assert found["errors"] == 0
+            assert len(found["ratios"]) == 1
+            assert found["ratio_median"] == found["ratios"][0] > 0
+            assert found["server_cpu_diff_median_us"] is not None
+
+
 def test_mcp_is_measured_when_installed_and_skipped_with_a_reason_otherwise(
     quick_run: tuple[dict[str, Any], str],
 ) -> None:
@@ -135,23 +184,36 @@ def test_a_quick_run_reports_guests_launch_fsync_import_time_and_the_thread_hop(
     assert many["many"]["errors"] == 0
     assert many["many"]["guests_failed"] == 0
     assert many["many"]["supervisor_peak_rss_mb"] > 0
+    assert many["many"]["guests_not_ok"] == 0
+    assert many["single"]["server_cpu_us_per_call"] is not None
+    assert "pid" in many["sandbox"]["namespaces"]
+    unsandboxed = results["many_guests_nosandbox"]
+    assert unsandboxed["sandbox"] == "off"
+    assert unsandboxed["many"]["guests_failed"] == 0
     assert results["launch"]["runs"] == 2
     assert results["launch"]["bare_p50_ms"] > 0
+    for mode, sandboxed in LAUNCH_MODES.items():
+        launched = results["launch"][mode]
+        assert launched["hostcall_p50_ms"] > 0
+        assert launched["overhead_p50_ms"] is not None
+        assert (launched["sandbox"] != "off") is sandboxed, mode
+    assert results["launch"]["sandbox"]["sandbox"]["workdir"] == "overlay"
+    assert results["launch"]["sandbox_fresh_workdir"]["sandbox"]["workdir"] == "fresh"
     assert results["fsync"]["p50_us"] > 0
     assert results["import_time"]["importtime_ms"] is not None
     assert results["thread_hop"]["hop_p50_us"] > 0
     assert results["machine"]["cores"] >= 1
 
 
-def test_every_check_of_issue_8_has_a_value_and_a_verdict(
+def test_every_check_of_issues_8_and_12_has_a_value_and_a_verdict(
     quick_run: tuple[dict[str, Any], str],
 ) -> None:
     results, stdout = quick_run
     checks = {check["name"]: check for check in results["checks"]}
-    assert set(checks) >= CHECKS
+    assert set(checks) >= CHECKS | SANDBOX_CHECKS
     mcp_checks = {"sqlite32_vs_mcp32", "memory1_vs_mcp1"}
-    for name in CHECKS - (set() if _has("mcp") else mcp_checks):
+    for name in (CHECKS | SANDBOX_CHECKS) - (set() if _has("mcp") else mcp_checks):
         assert checks[name]["value"] is not None, name
         assert checks[name]["verdict"] in ("PASS", "MISS"), name
-    for name in CHECKS:
+    for name in CHECKS | SANDBOX_CHECKS:
         assert checks[name]["what"] in stdout

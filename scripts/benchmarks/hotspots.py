@@ -8,8 +8,11 @@ everything it calls) and self (the function's own code).
 
     python scripts/benchmarks/hotspots.py --store memory --inflight 32
     python scripts/benchmarks/hotspots.py --store sqlite --inflight 1 --tool noop_sync
+    python scripts/benchmarks/hotspots.py --store memory --inflight 32 --no-sandbox
 
-Needs py-spy (``pip install -e '.[bench]'``) and the right to ptrace the child.
+Needs py-spy (``pip install -e '.[bench]'``) and the right to ptrace the child:
+the supervisor makes itself non-dumpable (SPEC §13), so only a user with
+``CAP_SYS_PTRACE`` (root) can attach, whatever ``ptrace_scope`` says.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Final
 
-from loadgen import point_args
+from loadgen import last_json, point_args
 from run import hostcall_run_argv
 
 HERE: Final = Path(__file__).resolve().parent
@@ -166,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=250, help="samples per second")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--raw", type=Path, help="also keep py-spy's raw output here")
+    parser.add_argument(
+        "--no-sandbox", dest="sandbox", action="store_false", help="the guest without its sandbox"
+    )
     args = parser.parse_args(argv)
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(py_spy).exists():
@@ -174,12 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     warmup_s = 3.0
     with tempfile.TemporaryDirectory(prefix="hostcall-profile-") as scratch:
         work = Path(scratch)
-        options = point_args(
-            work / "load.json", args.tool, [args.inflight], warmup_s, args.seconds + 2
-        )
-        guest = [sys.executable, str(HERE / "loadgen.py"), "--server-pid", "parent", *options]
+        options = point_args(args.tool, [args.inflight], warmup_s, args.seconds + 2)
+        guest = [sys.executable, str(HERE / "loadgen.py"), *options]
+        argv = hostcall_run_argv(work / "state", args.store, guest, sandbox=args.sandbox)
+        # The load generator's results come out on the supervisor's stdout.
         supervisor = subprocess.Popen(
-            [sys.executable, *hostcall_run_argv(work / "state", args.store, guest)], cwd=ROOT
+            [sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, text=True
         )
         try:
             time.sleep(warmup_s)  # startup and the load generator's own warm-up
@@ -204,16 +210,20 @@ def main(argv: list[str] | None = None) -> int:
                 timeout=args.seconds + SLACK_S,
                 capture_output=True,
             )
-            supervisor.wait(warmup_s + args.seconds + SLACK_S)
+            stdout, _ = supervisor.communicate(timeout=warmup_s + args.seconds + SLACK_S)
         finally:
             if supervisor.poll() is None:
                 supervisor.kill()
-                supervisor.wait()
+                supervisor.communicate()
         text = raw.read_text()
         if args.raw is not None:
             args.raw.write_text(text)
-        load = (work / "load.json").read_text() if (work / "load.json").exists() else "{}"
-    print(f"hostcall run --store {args.store}, {args.tool}, {args.inflight} in flight")
+        try:
+            load = last_json(stdout)["points"]
+        except ValueError:
+            load = "no results"
+    sandbox = "" if args.sandbox else " --no-sandbox"
+    print(f"hostcall run{sandbox} --store {args.store}, {args.tool}, {args.inflight} in flight")
     print(f"load generator: {load}")
     print(summarize(text, args.top))
     return 0

@@ -4,17 +4,25 @@ aiohttp's client on a ``UnixConnector``, on uvloop. For each number of calls
 in flight N it opens a pool of N connections, keeps N ``POST /v1/calls`` in
 flight (one per connection), warms up, then measures for a fixed time:
 completed calls, per-call latency (``perf_counter_ns``), this process's CPU
-(``getrusage``) and the server process's CPU (``psutil``: all its threads).
+(``getrusage``), the window's two ends on ``CLOCK_MONOTONIC`` and, given
+``--server-pid``, the server process's CPU (``psutil``: all its threads).
 
 Against hostcall it runs as a real guest: the socket, the identity headers and
 the credential (from ``HOSTCALL_CREDENTIAL_FD``) come from the environment the
-supervisor set, and the supervisor's origin check sees this process. Against
-the bare echo server it sends the same requests with stand-in headers of the
-same size. Every call has a fresh ``call_id`` and fresh arguments.
+supervisor set, and the supervisor's origin check sees this process. In its
+sandbox it cannot see the supervisor, so the server's CPU is measured outside
+(:mod:`server_cpu`) over the window reported here. Against the bare echo
+server it sends the same requests with stand-in headers of the same size.
+Every call has a fresh ``call_id`` and fresh arguments.
+
+The results go to stdout as one line of JSON (``--out``: to a file instead).
+stdout is the one way out of a sandbox that needs nothing of the plan: the
+host's file system is read-only inside it, and ``hostcall run`` passes its
+guest's stdout through to its own.
 
 ``--gate`` is for many guests at once: after the warm-up the guest writes one
-byte to stdout and waits for end of file on stdin before it measures, so that
-every guest measures the same window.
+line (``r``) to stdout and waits for end of file on stdin before it measures,
+so that every guest measures the same window.
 """
 
 from __future__ import annotations
@@ -63,8 +71,13 @@ class _Window:
     #: Latencies of the calls both started and completed inside the window: a
     #: call that waited out a slow warm-up does not count as a window's tail.
     latencies_ns: list[int] = field(default_factory=list)
+    #: Latencies of every call completed inside the window: used only when the
+    #: window is too short for any call to both start and end in it.
+    completed_ns: list[int] = field(default_factory=list)
     errors: int = 0
     first_error: str | None = None
+    #: When it came (``time.monotonic()``): against the window, or a driver's clock.
+    first_error_at: float | None = None
     checked: bool = False
 
 
@@ -113,9 +126,11 @@ async def _worker(call: CallOnce, window: _Window) -> None:
         if problem is not None:
             # Errors are not throughput: only right answers count as calls.
             window.errors += 1
-            window.first_error = window.first_error or problem
+            if window.first_error is None:
+                window.first_error, window.first_error_at = problem, time.monotonic()
         elif window.recording:
             window.completed += 1
+            window.completed_ns.append(elapsed)
             if inside:
                 window.latencies_ns.append(elapsed)
 
@@ -143,11 +158,13 @@ async def measure(
         _raise_failed(workers)
         client0 = time.process_time()
         server0 = server_cpu() if server_cpu is not None else None
+        opened = time.monotonic()
         started = time.perf_counter()
         window.recording = True
         await asyncio.sleep(duration_s)
         window.recording = False
         seconds = time.perf_counter() - started
+        closed = time.monotonic()
         client1 = time.process_time()
         server1 = server_cpu() if server_cpu is not None else None
     finally:
@@ -157,7 +174,7 @@ async def measure(
     for result in results:
         if isinstance(result, BaseException):
             raise result
-    latencies = sorted(window.latencies_ns)
+    latencies = sorted(window.latencies_ns or window.completed_ns)
     calls = window.completed
     per_call = 1e6 / calls if calls else 0.0
     return {
@@ -165,7 +182,10 @@ async def measure(
         "calls": calls,
         "errors": window.errors,
         "first_error": window.first_error,
+        "first_error_monotonic": window.first_error_at,
         "seconds": round(seconds, 4),
+        "window_monotonic": [opened, closed],
+        "latencies_of": "started_and_ended_in_window" if window.latencies_ns else "ended_in_window",
         "calls_per_s": round(calls / seconds, 1) if seconds > 0 else 0.0,
         "p50_us": round(percentile(latencies, 0.50) / 1000, 1),
         "p90_us": round(percentile(latencies, 0.90) / 1000, 1),
@@ -252,8 +272,8 @@ def _check_echo(status: int, body: bytes, answer: bytes) -> str | None:
 
 
 async def _wait_for_go() -> None:
-    """Tell the driver we are warm (one byte on stdout), then wait for EOF on stdin."""
-    os.write(1, b"r")
+    """Tell the driver we are warm (a line on stdout), then wait for EOF on stdin."""
+    os.write(1, b"r\n")
     loop = asyncio.get_running_loop()
     eof: asyncio.Future[None] = loop.create_future()
 
@@ -274,7 +294,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", choices=["hostcall", "echo"], default="hostcall")
     parser.add_argument("--socket", help="the echo server's socket (hostcall: from the env)")
     parser.add_argument(
-        "--server-pid", help="pid whose CPU is the server's; 'parent' for the supervisor"
+        "--server-pid",
+        type=int,
+        help="pid whose CPU is the server's (not for a sandboxed guest: it cannot see it)",
     )
     add_point_args(parser)
     parser.add_argument("--gate", action="store_true", help="wait for the driver's go")
@@ -287,13 +309,13 @@ def add_point_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inflight", default="1,2,4,8,16,32", help="comma-separated")
     parser.add_argument("--warmup", type=float, default=0.5, help="seconds per point")
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per point")
-    parser.add_argument("--out", required=True, type=Path, help="where to write the JSON")
+    parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout)")
 
 
 def point_args(
-    out: Path, tools: str, inflight: Sequence[int], warmup_s: float, duration_s: float
+    tools: str, inflight: Sequence[int], warmup_s: float, duration_s: float
 ) -> list[str]:
-    """Those options on a command line (see :func:`add_point_args`)."""
+    """Those options on a command line (see :func:`add_point_args`); JSON to stdout."""
     return [
         "--tools",
         tools,
@@ -303,17 +325,34 @@ def point_args(
         str(warmup_s),
         "--duration",
         str(duration_s),
-        "--out",
-        str(out),
     ]
 
 
+def write_result(result: dict[str, Any], out: Path | None) -> None:
+    """The JSON as one line on stdout, or atomically into ``out``."""
+    text = json.dumps(result)
+    if out is None:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        return
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+
+
+def last_json(stdout: str) -> Any:
+    """The JSON a load generator wrote: the last non-empty line of its stdout.
+
+    Raises:
+        ValueError: there is none, or it is not JSON.
+    """
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("the load generator wrote nothing on stdout")
+    return json.loads(lines[-1])
+
+
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    server_pid = None
-    if args.server_pid == "parent":
-        server_pid = os.getppid()
-    elif args.server_pid:
-        server_pid = int(args.server_pid)
     if args.target == "hostcall":
         from guest_client.env import GuestEnvironment
 
@@ -325,7 +364,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("loadgen: --socket is required for --target echo")
         socket_path, headers, check = args.socket, dict(_ECHO_HEADERS), _check_echo
     load = HttpLoad(socket_path, headers, check=check)
-    server_cpu = server_cpu_reader(server_pid)
+    server_cpu = server_cpu_reader(args.server_pid)
     points = []
     for tool in args.tools.split(","):
         for inflight in (int(n) for n in args.inflight.split(",")):
@@ -339,18 +378,21 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                     gate=_wait_for_go if args.gate else None,
                 )
             points.append({"tool": tool, **result})
-    return {"target": args.target, "pid": os.getpid(), "points": points}
+    return {
+        "target": args.target,
+        "pid": os.getpid(),
+        # Whoever started us compares it with its own: a sandboxed guest has its own.
+        "pid_namespace": os.stat("/proc/self/ns/pid").st_ino,
+        "points": points,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the points given on the command line and write their JSON to ``--out``."""
+    """Run the points given on the command line; their JSON to stdout (or ``--out``)."""
     args = _parser().parse_args(argv)
     import uvloop
 
-    result = uvloop.run(_main(args))
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(args.out)
+    write_result(uvloop.run(_main(args)), args.out)
     return 0
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Final
 
-from loadgen import add_point_args, measure, server_cpu_reader
+from loadgen import add_point_args, measure, server_cpu_reader, write_result
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
@@ -37,9 +37,7 @@ def _read_pid(path: Path) -> int:
     raise TimeoutError(f"the MCP server wrote no pid to {path}")
 
 
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    pid_file = args.out.with_suffix(".pid")
-    pid_file.unlink(missing_ok=True)
+async def _main(args: argparse.Namespace, pid_file: Path) -> dict[str, Any]:
     parameters = StdioServerParameters(
         command=sys.executable, args=[str(SERVER), "--pid-file", str(pid_file)]
     )
@@ -71,14 +69,15 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the points given on the command line and write their JSON to ``--out``."""
+    """Run the points given on the command line; their JSON to stdout (or ``--out``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_point_args(parser)
     args = parser.parse_args(argv)
     import uvloop
 
-    result = uvloop.run(_main(args))
-    args.out.write_text(json.dumps(result))
+    with tempfile.TemporaryDirectory(prefix="hostcall-mcp-") as scratch:
+        result = uvloop.run(_main(args, Path(scratch) / "server.pid"))
+    write_result(result, args.out)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Turning one run's results into the checks of issue 8, a table and a plot."""
+"""Turning one run's results into the checks of issues 8 and 12, a table and a plot."""
 
 from __future__ import annotations
 
@@ -7,15 +7,20 @@ from pathlib import Path
 from typing import Any, Final
 
 #: The targets in the order they are shown; the label says what each one is.
+#: hostcall's guests run in their sandbox unless the name ends in ``-nosandbox``.
 TARGETS: Final = {
     "echo": "bare aiohttp echo (ceiling)",
     "hostcall-memory": "hostcall, memory store",
+    "hostcall-memory-nosandbox": "hostcall, memory store, no sandbox",
     "hostcall-sqlite": "hostcall, SQLite store",
+    "hostcall-sqlite-nosandbox": "hostcall, SQLite store, no sandbox",
     "hostcall-memory-sync": "hostcall, memory, sync handler",
     "hostcall-sqlite-sync": "hostcall, SQLite, sync handler",
     "mcp-stdio": "MCP python SDK, stdio",
 }
-#: One colour per server; a sync handler is the same colour, dashed.
+#: Limit of every "sandbox on ÷ off" throughput check (issue 12).
+SANDBOX_RATIO: Final = 0.95
+#: One colour per server; a sync handler is the same colour, dashed; no sandbox, crosses.
 _COLOURS: Final = {
     "echo": "tab:blue",
     "hostcall-memory": "tab:orange",
@@ -28,7 +33,7 @@ TABLE_POINTS: Final = (1, 32)
 
 @dataclass(frozen=True, slots=True)
 class Check:
-    """One target of issue 8: a measured value against its limit."""
+    """One target of issue 8 or 12: a measured value against its limit."""
 
     name: str
     what: str
@@ -76,7 +81,7 @@ def _check(
 
 
 def checks(results: dict[str, Any]) -> list[Check]:
-    """Every target of issue 8, plus informational ratios (``limit`` None)."""
+    """Every target of issues 8 and 12, plus informational ratios (``limit`` None)."""
 
     def rate(target: str, inflight: int) -> float | None:
         return _field(results, target, inflight, "calls_per_s")
@@ -90,12 +95,22 @@ def checks(results: dict[str, Any]) -> list[Check]:
     if results["targets"].get("mcp-stdio", {}).get("status") != "ok":
         mcp_note = "MCP skipped: " + results["targets"].get("mcp-stdio", {}).get("reason", "")
     many = results.get("many_guests") or {}
+    many_off = results.get("many_guests_nosandbox") or {}
     launch = results.get("launch") or {}
     guests = many.get("guests", results.get("settings", {}).get("guests", "?"))
     many_note = (
         f"{many['store']} store; 1 guest at {many['single']['inflight']} in flight, "
         "each of the many at 1"
         if "single" in many
+        else "not measured"
+    )
+    pairs = results.get("sandbox_pairs") or {}
+    pairs_note = (
+        f"median of {pairs['pairs']} back-to-back pair(s)" if "pairs" in pairs else "not measured"
+    )
+    launch_note = (
+        f"{launch['store']} store, output captured as `hostcall run` does"
+        if "store" in launch
         else "not measured"
     )
     found = [
@@ -146,7 +161,7 @@ def checks(results: dict[str, Any]) -> list[Check]:
         ),
         _check(
             "many_vs_single",
-            f"{guests} guests ÷ 1 guest (aggregate calls/s)",
+            f"{guests} sandboxed guests ÷ 1 guest (aggregate calls/s)",
             many.get("ratio"),
             0.8,
             ">=",
@@ -154,20 +169,45 @@ def checks(results: dict[str, Any]) -> list[Check]:
         ),
         _check(
             "many_rss_mb",
-            f"supervisor peak RSS with {guests} guests (MB)",
+            f"supervisor peak RSS with {guests} sandboxed guests (MB)",
             many.get("many", {}).get("supervisor_peak_rss_mb"),
             150.0,
             "<=",
         ),
         _check(
+            "many_not_ok",
+            f"sandboxed guests of {guests} that failed or got a wrong answer",
+            many.get("many", {}).get("guests_not_ok"),
+            0,
+            "<=",
+        ),
+        _check(
             "launch_overhead_ms",
-            "launch overhead over bare create_subprocess_exec (ms, p50)",
-            launch.get("overhead_p50_ms"),
+            "launch overhead, no sandbox: p50 − p50 of bare create_subprocess_exec (ms)",
+            launch.get("no_sandbox", {}).get("overhead_p50_ms"),
             5.0,
             "<=",
-            f"{launch['store']} store, output captured as `hostcall run` does"
-            if "store" in launch
-            else "not measured",
+            launch_note,
+        ),
+        _check(
+            "launch_overhead_sandbox_ms",
+            "launch overhead, sandboxed: p50 − p50 of bare create_subprocess_exec (ms)",
+            launch.get("sandbox", {}).get("overhead_p50_ms"),
+            15.0,
+            "<=",
+            launch_note + ("; workdir: overlay of the launch folder" if "store" in launch else ""),
+        ),
+        *(
+            _check(
+                f"{store}{inflight}_sandbox_vs_off",
+                f"{inflight} in flight, {label} store: sandbox on ÷ off (calls/s)",
+                _pair(results, store, inflight, "ratio_median"),
+                SANDBOX_RATIO,
+                ">=",
+                pairs_note,
+            )
+            for store, label in (("memory", "memory"), ("sqlite", "SQLite"))
+            for inflight in TABLE_POINTS
         ),
     ]
     info = [
@@ -210,8 +250,81 @@ def checks(results: dict[str, Any]) -> list[Check]:
             None,
             ">=",
         ),
+        _check(
+            "launch_overhead_sandbox_fresh_ms",
+            "launch overhead, sandboxed, fresh workdir (from /): p50 − p50 bare (ms)",
+            launch.get("sandbox_fresh_workdir", {}).get("overhead_p50_ms"),
+            None,
+            "<=",
+        ),
+        *(
+            _check(
+                f"{store}{inflight}_server_cpu_sandbox_minus_off",
+                f"{inflight} in flight, {store}: server CPU/call, sandbox on − off (µs, "
+                "median of the pairs)",
+                _pair(results, store, inflight, "server_cpu_diff_median_us"),
+                None,
+                "<=",
+            )
+            for store in ("memory", "sqlite")
+            for inflight in TABLE_POINTS
+        ),
+        _check(
+            "many_vs_single_nosandbox",
+            f"{guests} guests without the sandbox ÷ 1 guest (aggregate calls/s)",
+            many_off.get("ratio"),
+            None,
+            ">=",
+        ),
+        _check(
+            "many_rss_mb_nosandbox",
+            f"supervisor peak RSS with {guests} guests without the sandbox (MB)",
+            many_off.get("many", {}).get("supervisor_peak_rss_mb"),
+            None,
+            "<=",
+        ),
     ]
     return found + info
+
+
+def _pair(results: dict[str, Any], store: str, inflight: int, key: str) -> float | None:
+    """A figure of the sandbox on/off pairs (``run.bench_pairs``), if measured."""
+    found = (results.get("sandbox_pairs") or {}).get(store, {}).get(str(inflight))
+    return None if found is None else found.get(key)
+
+
+def pairs_table(results: dict[str, Any]) -> str:
+    """The sandbox on and off, pair by pair: calls/s and server CPU/call (Markdown)."""
+    pairs = results.get("sandbox_pairs") or {}
+    if "pairs" not in pairs:
+        return f"sandbox on/off pairs: {pairs.get('status', 'not measured')}"
+    rows = [
+        "the sandbox on and off, back to back (calls/s on / off = ratio; server CPU µs/call "
+        "on / off):",
+        "",
+        "| store | in flight | "
+        + " | ".join(f"pair {i + 1}" for i in range(pairs["pairs"]))
+        + " | median ratio |",
+        "|---|--:|" + "--:|" * pairs["pairs"] + "--:|",
+    ]
+    for store in ("memory", "sqlite"):
+        for inflight in pairs["inflight"]:
+            found = pairs[store][str(inflight)]
+            cells = [
+                f"{_fmt(on)} / {_fmt(off)} = {ratio:.2f}; {_fmt(con)} / {_fmt(coff)}"
+                for on, off, ratio, con, coff in zip(
+                    found["on_calls_per_s"],
+                    found["off_calls_per_s"],
+                    found["ratios"],
+                    found["on_server_cpu_us_per_call"],
+                    found["off_server_cpu_us_per_call"],
+                    strict=True,
+                )
+            ]
+            rows.append(
+                f"| {store} | {inflight} | " + " | ".join(cells) + f" | {found['ratio_median']} |"
+            )
+    return "\n".join(rows)
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
@@ -310,10 +423,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
             continue
         points = sorted(entry["points"], key=lambda p: p["inflight"])
         xs = [p["inflight"] for p in points]
+        unsandboxed = name.endswith("-nosandbox")  # measured at 1 and 32 only: no line
         style = {
-            "linestyle": "--" if name.endswith("-sync") else "-",
-            "color": _COLOURS.get(name.removesuffix("-sync")),
-            "marker": "o",
+            "linestyle": "--" if name.endswith("-sync") else "none" if unsandboxed else "-",
+            "color": _COLOURS.get(name.removesuffix("-sync").removesuffix("-nosandbox")),
+            "marker": "x" if unsandboxed else "o",
+            "markersize": 9 if unsandboxed else 6,
             "label": label,
         }
         rates.plot(xs, [p["calls_per_s"] for p in points], **style)

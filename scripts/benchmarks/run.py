@@ -10,23 +10,35 @@ Targets, each its own server process, all driven by one load generator
 
 1. ``echo``: a bare aiohttp echo server on a Unix socket (the ceiling);
 2. ``hostcall-memory``: ``hostcall run --store memory`` with the load
-   generator as its guest (credential from the fd, origin check on);
+   generator as its guest (credential from the fd, origin check on, in its
+   sandbox as by default);
 3. ``hostcall-sqlite``: the same on the durable SQLite store;
    both with an async no-op tool, and again with a sync one (``-sync``);
 4. ``mcp-stdio``: the MCP python SDK over stdio, same tools (its own client;
    skipped when ``mcp`` is not installed).
 
+Every load generator writes its results to its stdout; a guest's reaches us
+through ``hostcall run``'s. The supervisor's CPU is sampled from here (a
+sandboxed guest cannot see it) and read off at each point's window.
+
 The targets are measured in two alternating rounds; each point keeps its
 better round, so a burst of other load on the machine costs one round, not
-the comparison. Plus: many guests on one supervisor, guest launch overhead,
-fsync cost, ``guest_client`` import time. Prints the tables and the checks of
-issue 8, writes JSON to ``bench-results/bench-<time>.json`` (and ``--json``).
+the comparison. The sandbox's cost to calls/s is measured apart, in pairs:
+the same guest at 1 and 32 in flight under ``hostcall run`` and ``hostcall
+run --no-sandbox`` one right after the other (each pair in the other order
+than the one before), the ratio taken within each pair and its median
+reported; the unsandboxed runs' best points are the ``-nosandbox`` targets.
+Plus: many guests on one supervisor (sandboxed, and not),
+guest launch overhead (sandboxed, and not), fsync cost, ``guest_client``
+import time. Prints the tables and the checks of issues 8 and 12, writes
+JSON to ``bench-results/bench-<time>.json`` (and ``--json``).
 ``hotspots.py`` beside this file profiles the supervisor at one point.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -34,6 +46,7 @@ import json
 import os
 import select
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,6 +58,7 @@ from typing import Any, Final
 import loadgen
 import report
 import system
+from server_cpu import CpuTrace, process_cpu
 
 HERE: Final = Path(__file__).resolve().parent
 ROOT: Final = HERE.parents[1]
@@ -57,7 +71,9 @@ CHILD_SLACK_S: Final = 120.0
 #: Bound on a server process getting ready or going away.
 SERVER_START_S: Final = 30.0
 SERVER_STOP_S: Final = 10.0
-PARTS: Final = ("echo", "hostcall", "mcp", "launch", "many", "import")
+#: ``nosandbox``: every measurement of guests without their sandbox (the pairs too).
+PARTS: Final = ("echo", "hostcall", "nosandbox", "mcp", "launch", "many", "import")
+STORES: Final = ("memory", "sqlite")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +81,18 @@ class Settings:
     """How long and how much to measure."""
 
     inflight: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    #: The sandbox on against off: pairs of runs, calls in flight, seconds per point.
+    pairs: int = 3
+    pair_inflight: tuple[int, ...] = (1, 32)
+    pair_duration_s: float = 2.0
     warmup_s: float = 0.5
     duration_s: float = 2.0
     guests: int = 200
     single_inflight: int = 32
     many_warmup_s: float = 1.0
     many_duration_s: float = 3.0
-    launch_runs: int = 40
+    launch_runs: int = 60
+    launch_warm: int = 3
     import_samples: int = 20
     fsync_samples: int = 200
     hop_samples: int = 2000
@@ -88,10 +109,13 @@ class Settings:
             many_warmup_s=0.1,
             many_duration_s=0.3,
             launch_runs=2,
+            launch_warm=1,
             import_samples=2,
             fsync_samples=20,
             hop_samples=64,
             rounds=1,
+            pairs=1,
+            pair_duration_s=0.25,
         )
 
     def point_budget(self, points: int) -> float:
@@ -106,12 +130,47 @@ class ChildFailed(RuntimeError):
     """A benchmark process exited non-zero or timed out."""
 
 
-def _child_json(name: str, argv: list[str], out: Path, timeout_s: float) -> Any:
-    """Run one benchmark process (python ``argv``) and read the JSON it wrote to ``out``."""
+def _child_json(name: str, argv: list[str], timeout_s: float, *, server: bool = False) -> Any:
+    """Run one benchmark process (python ``argv``) and read the JSON it printed last.
+
+    ``server``: the process is the server (``hostcall run``) and its stdout
+    the load generator's; its CPU is sampled meanwhile, and each point gets
+    its server CPU per call from that trace.
+    """
+    child = subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    with CpuTrace(process_cpu(child.pid)) if server else contextlib.nullcontext() as trace:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            child.kill()
+            child.communicate(timeout=SERVER_STOP_S)
+            raise ChildFailed(f"{name} ran over {timeout_s:.0f} s") from exc
+    if child.returncode != 0:
+        tail = (stderr or stdout).strip().splitlines()[-12:]
+        raise ChildFailed(f"exit {child.returncode}: " + " / ".join(tail))
+    try:
+        result = loadgen.last_json(stdout)
+    except ValueError as exc:
+        raise ChildFailed(f"{name}: no results on stdout ({exc}): {stdout[-500:]!r}") from exc
+    if trace is not None:
+        trace.fill(result["points"])
+    return result
+
+
+def _host_json(name: str, argv: list[str], out: Path, timeout_s: float) -> Any:
+    """Run ``host.py`` (python ``argv``) and read the JSON it wrote to ``out``."""
     try:
         done = subprocess.run(
             [sys.executable, *argv],
             cwd=ROOT,
+            stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -125,15 +184,21 @@ def _child_json(name: str, argv: list[str], out: Path, timeout_s: float) -> Any:
     return json.loads(out.read_text())
 
 
-def _load_args(settings: Settings, out: Path, tools: str) -> list[str]:
-    return loadgen.point_args(out, tools, settings.inflight, settings.warmup_s, settings.duration_s)
+def _load_args(
+    settings: Settings, tools: str, inflight: tuple[int, ...] | None = None
+) -> list[str]:
+    return loadgen.point_args(
+        tools, inflight or settings.inflight, settings.warmup_s, settings.duration_s
+    )
 
 
 def _points(result: dict[str, Any], tool: str) -> list[dict[str, Any]]:
     return [p for p in result["points"] if p["tool"] == tool]
 
 
-def hostcall_run_argv(state_dir: Path, store: str, guest: list[str]) -> list[str]:
+def hostcall_run_argv(
+    state_dir: Path, store: str, guest: list[str], *, sandbox: bool = True
+) -> list[str]:
     """``python -m supervisor.cli run`` (arguments after the interpreter) under
     the benchmark plan, with ``guest`` as its guest."""
     return [
@@ -146,17 +211,18 @@ def hostcall_run_argv(state_dir: Path, store: str, guest: list[str]) -> list[str
         store,
         "--plan",
         str(PLAN),
+        *([] if sandbox else ["--no-sandbox"]),
         "--",
         *guest,
     ]
 
 
-def _host(mode: str, work: Path, timeout_s: float, *options: str) -> dict[str, Any]:
+def _host(name: str, mode: str, work: Path, timeout_s: float, *options: str) -> dict[str, Any]:
     """``host.py MODE`` on the SQLite store: its JSON."""
-    out = work / f"{mode}.json"
-    argv = [str(HERE / "host.py"), mode, "--state-dir", str(work / f"state-{mode}")]
-    result: dict[str, Any] = _child_json(
-        mode, [*argv, "--store", "sqlite", *options, "--out", str(out)], out, timeout_s
+    out = work / f"{name}.json"
+    argv = [str(HERE / "host.py"), mode, "--state-dir", str(work / f"state-{name}")]
+    result: dict[str, Any] = _host_json(
+        name, [*argv, "--store", "sqlite", *options, "--out", str(out)], out, timeout_s
     )
     return result
 
@@ -182,7 +248,6 @@ def bench_echo(work: Path, settings: Settings) -> dict[str, Any]:
         readable, _, _ = select.select([ready_read], [], [], SERVER_START_S)
         if not readable or not os.read(ready_read, 1):
             raise ChildFailed("the echo server did not start")
-        out = work / "echo.json"
         result = _child_json(
             "the echo load",
             [
@@ -193,9 +258,8 @@ def bench_echo(work: Path, settings: Settings) -> dict[str, Any]:
                 str(socket_path),
                 "--server-pid",
                 str(server.pid),
-                *_load_args(settings, out, "noop"),
+                *_load_args(settings, "noop"),
             ],
-            out,
             settings.point_budget(len(settings.inflight)),
         )
         return {"status": "ok", "points": _points(result, "noop")}
@@ -210,20 +274,100 @@ def bench_echo(work: Path, settings: Settings) -> dict[str, Any]:
 
 
 def bench_hostcall(work: Path, settings: Settings, store: str) -> dict[str, dict[str, Any]]:
-    """``hostcall run --store STORE`` with the load generator as its guest."""
-    out = work / f"hostcall-{store}.json"
-    guest = [sys.executable, str(LOADGEN), "--server-pid", "parent"]
+    """``hostcall run --store STORE`` (sandboxed) with the load generator as its guest."""
+    guest = [sys.executable, str(LOADGEN), *_load_args(settings, "noop,noop_sync")]
     result = _child_json(
         f"hostcall run --store {store}",
-        hostcall_run_argv(
-            work / f"state-{store}", store, [*guest, *_load_args(settings, out, "noop,noop_sync")]
-        ),
-        out,
+        hostcall_run_argv(work / f"state-{store}", store, guest),
         settings.point_budget(2 * len(settings.inflight)),
+        server=True,
     )
+    sandboxed = _in_own_pid_namespace(result)
     return {
-        f"hostcall-{store}": {"status": "ok", "points": _points(result, "noop")},
-        f"hostcall-{store}-sync": {"status": "ok", "points": _points(result, "noop_sync")},
+        f"hostcall-{store}": {
+            "status": "ok",
+            "sandboxed": sandboxed,
+            "points": _points(result, "noop"),
+        },
+        f"hostcall-{store}-sync": {
+            "status": "ok",
+            "sandboxed": sandboxed,
+            "points": _points(result, "noop_sync"),
+        },
+    }
+
+
+def _in_own_pid_namespace(result: dict[str, Any]) -> bool:
+    """Whether the load generator ran in a pid namespace other than ours (its sandbox's)."""
+    return bool(result["pid_namespace"] != os.stat("/proc/self/ns/pid").st_ino)
+
+
+def bench_pairs(work: Path, settings: Settings) -> dict[str, Any]:
+    """The sandbox's cost to calls/s: ``hostcall run`` with the sandbox and
+    without, one right after the other, on both stores; the ratio within each pair.
+
+    Two runs seconds apart see the same machine; runs half a minute apart on a
+    shared machine may not. Each pair runs in the other order than the one
+    before, so a slow drift favours neither side.
+    """
+    inflight = settings.pair_inflight
+    guest_args = loadgen.point_args("noop", inflight, settings.warmup_s, settings.pair_duration_s)
+    budget = len(inflight) * (settings.warmup_s + settings.pair_duration_s) + CHILD_SLACK_S
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        store: {"on": [], "off": []} for store in STORES
+    }
+    for pair in range(settings.pairs):
+        for store in STORES:
+            for sandbox in (True, False) if pair % 2 == 0 else (False, True):
+                side = "on" if sandbox else "off"
+                result = _child_json(
+                    f"hostcall run{'' if sandbox else ' --no-sandbox'} --store {store}",
+                    hostcall_run_argv(
+                        work / f"state-pair{pair}-{store}-{side}",
+                        store,
+                        [sys.executable, str(LOADGEN), *guest_args],
+                        sandbox=sandbox,
+                    ),
+                    budget,
+                    server=True,
+                )
+                if _in_own_pid_namespace(result) is not sandbox:
+                    raise ChildFailed(f"the guest's sandbox was not {side} as asked")
+                runs[store][side].append(
+                    {"status": "ok", "sandboxed": sandbox, "points": _points(result, "noop")}
+                )
+    found: dict[str, Any] = {"pairs": settings.pairs, "inflight": list(inflight)}
+    for store in STORES:
+        found[store] = {str(n): _pair_summary(runs[store], n) for n in inflight}
+        found[store]["off_best"] = best_of([{"t": run} for run in runs[store]["off"]])["t"]
+    return found
+
+
+def _pair_summary(runs: dict[str, list[dict[str, Any]]], inflight: int) -> dict[str, Any]:
+    """One store at one number in flight: each side's figures per pair, and the
+    median of the within-pair ratios (on ÷ off)."""
+
+    def at(run: dict[str, Any]) -> dict[str, Any]:
+        return next(p for p in run["points"] if p["inflight"] == inflight)
+
+    on, off = [at(r) for r in runs["on"]], [at(r) for r in runs["off"]]
+    ratios = [a["calls_per_s"] / b["calls_per_s"] for a, b in zip(on, off, strict=True)]
+    cpu = [
+        a["server_cpu_us_per_call"] - b["server_cpu_us_per_call"]
+        for a, b in zip(on, off, strict=True)
+        if a["server_cpu_us_per_call"] is not None and b["server_cpu_us_per_call"] is not None
+    ]
+    return {
+        "on_calls_per_s": [p["calls_per_s"] for p in on],
+        "off_calls_per_s": [p["calls_per_s"] for p in off],
+        "on_p50_us": [p["p50_us"] for p in on],
+        "off_p50_us": [p["p50_us"] for p in off],
+        "on_server_cpu_us_per_call": [p["server_cpu_us_per_call"] for p in on],
+        "off_server_cpu_us_per_call": [p["server_cpu_us_per_call"] for p in off],
+        "errors": sum(p["errors"] for p in on + off),
+        "ratios": [round(r, 3) for r in ratios],
+        "ratio_median": round(statistics.median(ratios), 3),
+        "server_cpu_diff_median_us": round(statistics.median(cpu), 1) if cpu else None,
     }
 
 
@@ -234,29 +378,36 @@ def bench_mcp(work: Path, settings: Settings) -> dict[str, Any]:
             "status": "skipped",
             "reason": "the mcp package is not installed (pip install -e '.[bench]')",
         }
-    out = work / "mcp.json"
     result = _child_json(
         "the MCP client",
-        [str(HERE / "mcp_client.py"), *_load_args(settings, out, "noop")],
-        out,
+        [str(HERE / "mcp_client.py"), *_load_args(settings, "noop")],
         settings.point_budget(len(settings.inflight)),
     )
     return {"status": "ok", "points": _points(result, "noop")}
 
 
 def bench_launch(work: Path, settings: Settings) -> dict[str, Any]:
-    """Guest launch overhead on the default (SQLite) store."""
-    return _host("launch", work, CHILD_SLACK_S, "--runs", str(settings.launch_runs))
+    """Guest launch overhead on the default (SQLite) store, sandboxed and not."""
+    return _host(
+        "launch",
+        "launch",
+        work,
+        CHILD_SLACK_S,
+        "--runs",
+        str(settings.launch_runs),
+        "--warm",
+        str(settings.launch_warm),
+    )
 
 
-def bench_many(work: Path, settings: Settings) -> dict[str, Any]:
+def bench_many(work: Path, settings: Settings, sandbox: bool = True) -> dict[str, Any]:
     """Many guests on one supervisor (SQLite store) against one guest."""
     return _host(
+        "many" if sandbox else "many-nosandbox",
         "many",
         work,
         2 * (settings.many_warmup_s + settings.many_duration_s) + 3 * CHILD_SLACK_S,
-        "--work",
-        str(work / "many"),
+        *([] if sandbox else ["--no-sandbox"]),
         "--guests",
         str(settings.guests),
         "--single-inflight",
@@ -286,7 +437,10 @@ def best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                 kept = best.get(measured["inflight"])
                 if kept is None or measured["calls_per_s"] > kept["calls_per_s"]:
                     best[measured["inflight"]] = {**measured, "round": number}
-        merged[target] = {"status": "ok", "points": [best[n] for n in sorted(best)]}
+        merged[target] = {
+            **{k: v for k, v in entries[0].items() if k != "points"},
+            "points": [best[n] for n in sorted(best)],
+        }
     return merged
 
 
@@ -294,7 +448,7 @@ def run(settings: Settings, work: Path, skip: set[str]) -> tuple[dict[str, Any],
     """Measure everything not in ``skip``; returns the results and whether all ran."""
     started = datetime.datetime.now(datetime.UTC)
     results: dict[str, Any] = {
-        "schema": "hostcall-bench/1",
+        "schema": "hostcall-bench/2",
         "started_at": started.isoformat(timespec="seconds"),
         "settings": asdict(settings),
         "machine": system.machine(),
@@ -327,7 +481,7 @@ def run(settings: Settings, work: Path, skip: set[str]) -> tuple[dict[str, Any],
         if "echo" not in skip:
             found["echo"] = attempt("echo" + label, bench_echo, scratch, settings)
         if "hostcall" not in skip:
-            for store in ("memory", "sqlite"):
+            for store in STORES:
                 measured = attempt(
                     f"hostcall {store}{label}", bench_hostcall, scratch, settings, store
                 )
@@ -342,10 +496,30 @@ def run(settings: Settings, work: Path, skip: set[str]) -> tuple[dict[str, Any],
     targets = results["targets"] = best_of(rounds)
     if settings.rounds > 1:
         results["rounds"] = rounds
+    if "hostcall" not in skip and "nosandbox" not in skip:
+        scratch = work / "pairs"
+        scratch.mkdir()
+        pairs = results["sandbox_pairs"] = attempt(
+            f"the sandbox on and off, {settings.pairs} pair(s)", bench_pairs, scratch, settings
+        )
+        for store in STORES:
+            targets[f"hostcall-{store}-nosandbox"] = (
+                pairs[store]["off_best"] if pairs.get("status") != "failed" else pairs
+            )
+            for inflight in settings.pair_inflight if pairs.get("status") != "failed" else ():
+                if pairs[store][str(inflight)]["errors"]:
+                    ok = False
+                    _say(f"sandbox pairs, {store} at {inflight}: bad answers")
     if "launch" not in skip:
         results["launch"] = attempt("launch overhead", bench_launch, work, settings)
     if "many" not in skip:
-        results["many_guests"] = attempt(f"{settings.guests} guests", bench_many, work, settings)
+        results["many_guests"] = attempt(
+            f"{settings.guests} sandboxed guests", bench_many, work, settings
+        )
+        if "nosandbox" not in skip:
+            results["many_guests_nosandbox"] = attempt(
+                f"{settings.guests} guests without the sandbox", bench_many, work, settings, False
+            )
     if "import" not in skip:
         results["import_time"] = attempt(
             "guest_client import", system.import_time, settings.import_samples
@@ -381,24 +555,39 @@ def summary(results: dict[str, Any]) -> str:
         "",
         report.checks_table(report.checks(results)),
         "",
+        report.pairs_table(results),
+        "",
     ]
     fsync = results.get("fsync", {})
     lines.append(f"fsync p50 {fsync.get('p50_us')} µs, p90 {fsync.get('p90_us')} µs")
     launch = results.get("launch") or {}
     if launch.get("status") != "failed" and launch:
         lines.append(
-            f"launch /bin/true: bare {launch['bare_p50_ms']} ms, through the supervisor "
-            f"{launch['hostcall_p50_ms']} ms (output not captured: "
-            f"{launch['hostcall_no_capture_p50_ms']} ms); overhead {launch['overhead_p50_ms']} ms"
+            f"launch /bin/true: bare {launch['bare_p50_ms']} ms p50 (create_subprocess_exec on "
+            f"uvloop; subprocess.run: {launch['bare_subprocess_run_p50_ms']} ms); through hostcall:"
         )
-    many = results.get("many_guests") or {}
-    if many.get("status") != "failed" and many:
+        for mode, label in (
+            ("sandbox", "sandboxed, launch folder as overlay workdir"),
+            ("sandbox_fresh_workdir", "sandboxed, fresh workdir"),
+            ("no_sandbox", "no sandbox"),
+        ):
+            found = launch[mode]
+            lines.append(
+                f"  {label}: {found['hostcall_p50_ms']} ms (p90 {found['hostcall_p90_ms']}; "
+                f"output not captured: {found['hostcall_no_capture_p50_ms']} ms); "
+                f"overhead {found['overhead_p50_ms']} ms"
+            )
+    for key, label in (("many_guests", "sandboxed"), ("many_guests_nosandbox", "unsandboxed")):
+        many = results.get(key) or {}
+        if many.get("status") == "failed" or not many:
+            continue
         crowd = many["many"]
         lines.append(
-            f"{many['guests']} guests: {crowd['calls_per_s']} calls/s aggregate vs "
+            f"{many['guests']} {label} guests: {crowd['calls_per_s']} calls/s aggregate vs "
             f"{many['single']['calls_per_s']} for one guest at {many['single']['inflight']} in "
             f"flight; supervisor peak RSS {crowd['supervisor_peak_rss_mb']} MB, "
-            f"{crowd['server_cpu_us_per_call']} µs CPU/call; guests failed "
+            f"{crowd['server_cpu_us_per_call']} µs CPU/call; its event loop late by up to "
+            f"{crowd['supervisor_loop_lag'].get('max_ms')} ms; guests failed "
             f"{crowd['guests_failed']}, with errors {crowd['guests_with_errors']}"
             + (
                 f" (first: {crowd['first_failure'] or crowd['first_error']})"
@@ -443,6 +632,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, help="seconds measured per point")
     parser.add_argument("--guests", type=int, help="guests in the many-guests run")
     parser.add_argument(
+        "--pairs", type=int, help="pairs of runs with the sandbox on and off (default 3)"
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         help="measure the targets N times, alternating, and keep each point's best round "
@@ -470,11 +662,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.quick() if args.quick else Settings()
     overrides: dict[str, Any] = {}
     if args.duration is not None:
-        overrides["duration_s"] = args.duration
+        overrides["duration_s"] = overrides["pair_duration_s"] = args.duration
     if args.guests is not None:
         overrides["guests"] = args.guests
     if args.rounds is not None:
         overrides["rounds"] = args.rounds
+    if args.pairs is not None:
+        overrides["pairs"] = args.pairs
     if overrides:
         settings = dataclasses.replace(settings, **overrides)
     skip = {part.strip() for part in args.skip.split(",") if part.strip()}

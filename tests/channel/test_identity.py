@@ -15,6 +15,7 @@ from tests.harness import (
     driven_guest,
     identity_headers,
     raw_request,
+    wait_until,
 )
 
 CHARGE = {"call_id": "c1", "tool": "charge", "args": {"account": "acct_1", "cents": 5}}
@@ -127,15 +128,19 @@ async def test_a_new_execution_of_the_same_invocation_fences_the_older_one(
     sup: Supervisor, ledger: Ledger
 ) -> None:
     plan = billing_plan(ledger)
-    async with (
-        driven_guest(sup, plan, invocation_id="inv_fence") as first,
-        driven_guest(sup, plan, invocation_id="inv_fence") as second,
-    ):
-        old = await first.call("c1", "charge", {"account": "a", "cents": 1})
-        new = await second.call("c1", "charge", {"account": "a", "cents": 1})
+    body = {"call_id": "c1", "tool": "charge", "args": {"account": "a", "cents": 1}}
+    async with driven_guest(sup, plan, invocation_id="inv_fence") as first:
+        old_headers = identity_headers(first.execution, await first.credential())
+        async with driven_guest(sup, plan, invocation_id="inv_fence") as second:
+            # The older execution ends: its credential is fenced, its guest stopped.
+            old = await second.request(body=body, headers=old_headers)
+            new = await second.call("c1", "charge", {"account": "a", "cents": 1})
+            await wait_until(lambda: first.execution.outcome is not None, "the old one stopped")
     assert old["status"] == 403
     assert old["body"]["error"]["code"] == "execution_fenced"
     assert new["status"] == 200
+    assert first.execution.outcome is not None
+    assert first.execution.outcome.reason == "fenced"
     assert ledger.runs["charge"] == 1
 
 

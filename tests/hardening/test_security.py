@@ -98,14 +98,13 @@ async def test_a_fenced_executions_credential_replayed_by_the_new_executions_gue
                 body=call_body("r2"),
                 headers={**new_headers, "Authorization": old_headers["Authorization"]},
             )
-            from_old_guest = await old.request(body=call_body("r3"))
             own = await new.call("r4", "charge", CHARGE)
+            # The old guest itself does not run on to try: fencing ended it (S5).
+            await wait_until(lambda: old.execution.outcome is not None, "the old one stopped")
     assert (replayed["status"], replayed["body"]["error"]["code"]) == (403, "execution_fenced")
     assert (spliced["status"], spliced["body"]["error"]["code"]) == (401, "unauthenticated")
-    assert (from_old_guest["status"], from_old_guest["body"]["error"]["code"]) == (
-        403,
-        "execution_fenced",
-    )
+    assert old.execution.outcome is not None
+    assert old.execution.outcome.reason == "fenced"
     assert own["status"] == 200
     assert ledger.runs == {"charge": 1}
 
