@@ -223,8 +223,12 @@ class ChannelServer:
                 await execution.wait_launched(LAUNCH_WAIT_S)
             connection = request.protocol
             assert isinstance(connection, ChannelConnection)
-            assert request.transport is not None
-            check_origin(connection.peer, execution, request.transport)
+            transport = request.transport
+            if transport is None:
+                # The guest hung up while its launch was being recorded: there
+                # is no one left to answer, and no peer to check.
+                raise Refusal("origin_denied", "the connection closed before it was checked")
+            check_origin(connection.peer, execution, transport)
         return execution
 
     async def _read_body(self, request: web.Request) -> bytes:

@@ -74,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
             help="state directory (default: $HOSTCALL_STATE_DIR, else ./.hostcall)",
         )
 
+    def limit_options(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--memory", type=_positive, metavar="MB", help="memory of the guest")
+        sub.add_argument("--cpu", type=_positive, metavar="S", help="CPU seconds of the guest")
+        sub.add_argument(
+            "--max-procs", type=int, metavar="N", help="tasks (processes, threads) of the guest"
+        )
+        sub.add_argument("--max-files", type=int, metavar="N", help="open files of the guest")
+
     def no_sandbox_option(sub: argparse.ArgumentParser) -> None:
         sub.add_argument(
             "--no-sandbox",
@@ -90,10 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--invocation", type=_id, help="invocation id; an existing one is resumed")
     run.add_argument("--timeout", type=_positive, help="seconds before the guest is stopped")
     run.add_argument("--attempts", type=int, default=1, help="relaunch a failing guest, N in all")
-    run.add_argument("--memory", type=_positive, metavar="MB", help="RSS limit of the guest tree")
-    run.add_argument("--cpu", type=_positive, metavar="S", help="CPU seconds of the guest tree")
-    run.add_argument("--max-procs", type=int, metavar="N", help="processes in the guest tree")
-    run.add_argument("--max-files", type=int, metavar="N", help="open files in the guest tree")
+    limit_options(run)
     run.add_argument("--store", help="sqlite (default), sqlite:///PATH, memory or postgresql://…")
     no_sandbox_option(run)
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -103,6 +108,10 @@ def _parser() -> argparse.ArgumentParser:
     state_dir_option(serve)
     serve.add_argument("--plan", required=True, help="plan file (TOML) guests run under")
     serve.add_argument("--store", help="sqlite (default), sqlite:///PATH, memory or postgresql://…")
+    serve.add_argument(
+        "--timeout", type=_positive, help="seconds before a launched guest is stopped"
+    )
+    limit_options(serve)
     no_sandbox_option(serve)
 
     demo = commands.add_parser("demo", help="run the bundled billing example end to end")
@@ -171,13 +180,7 @@ async def _run(args: argparse.Namespace) -> int:
         print("hostcall run: --attempts must be at least 1", file=sys.stderr)
         return EXIT_USAGE
     try:
-        limits = Limits(
-            timeout_s=args.timeout,
-            memory_bytes=int(args.memory * 2**20) if args.memory else None,
-            cpu_s=args.cpu,
-            max_processes=args.max_procs,
-            max_open_files=args.max_files,
-        )
+        limits = _limits(args)
     except ValueError as exc:
         print(f"hostcall run: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -200,6 +203,21 @@ async def _run(args: argparse.Namespace) -> int:
     return outcome.exit_status
 
 
+def _limits(args: argparse.Namespace) -> Limits:
+    """The limit options of ``run`` and ``serve``.
+
+    Raises:
+        ValueError: a limit is not greater than 0.
+    """
+    return Limits(
+        timeout_s=args.timeout,
+        memory_bytes=int(args.memory * 2**20) if args.memory else None,
+        cpu_s=args.cpu,
+        max_processes=args.max_procs,
+        max_open_files=args.max_files,
+    )
+
+
 async def _demo(args: argparse.Namespace) -> int:
     from supervisor.demo import run_demo
 
@@ -207,11 +225,17 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    try:
+        limits = _limits(args)
+    except ValueError as exc:
+        print(f"hostcall serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     plan = Plan.load(args.plan)
     state_dir = _state_dir(args)
     async with Supervisor(
         state_dir, store=args.store, plan=plan, sandbox=not args.no_sandbox
     ) as sup:
+        sup.launch_limits = limits
         print(
             f"hostcall serve: plan {plan.name} ({plan.plan_hash[:19]}…)"
             f"{'' if sup.sandboxed else ', sandbox off'}\n"

@@ -15,6 +15,7 @@ from supervisor.broker import Broker
 from supervisor.errors import Refusal
 from supervisor.limits import EndReason
 from supervisor.outcomes import ExecutionOutcome
+from supervisor.spawn import GuestProcess
 
 __all__ = ["Execution", "ExecutionState", "ExecutionTable"]
 
@@ -45,7 +46,7 @@ class Execution:
     guest_uid: int | None = None
     #: The execution's ``"sandbox"`` (SPEC §13): ``"off"`` or what was used.
     sandbox: Mapping[str, Any] | str = "off"
-    process: asyncio.subprocess.Process | None = None
+    process: GuestProcess | None = None
     state: ExecutionState = ExecutionState.STARTING
     #: Called once when the execution stops being live (e.g. to cancel proposals).
     on_end: Callable[[Execution], object] | None = None

@@ -16,7 +16,6 @@ how it is measured, and how it is stopped.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import logging
@@ -45,6 +44,7 @@ from supervisor.sandbox import (
     trusted_paths,
 )
 from supervisor.sandbox.usage import SandboxTree
+from supervisor.spawn import GuestProcess
 from supervisor.tracking import GuestTree, TreeTracker
 
 __all__ = ["CGROUP_REMOVE_TIMEOUT_S", "GuestLauncher", "RunningGuest"]
@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 CGROUP_REMOVE_TIMEOUT_S: Final = 5.0
 #: Builds of a sandbox before its failure to start is the guest's outcome.
 SANDBOX_ATTEMPTS: Final = 2
+#: Tasks a sandboxed guest with a cgroup may have when no --max-procs says
+#: otherwise: forks past it fail (a fork bomb cannot take the host's pids).
+DEFAULT_MAX_TASKS: Final = 4096
 
 
 @dataclass(eq=False)
@@ -62,7 +65,7 @@ class RunningGuest:
     """One execution's guest while it runs, and what it used once it ended."""
 
     execution_id: str
-    process: asyncio.subprocess.Process
+    process: GuestProcess
     tree: GuestTree | SandboxTree
     #: ``"off"``, or the sandbox's namespaces and how its limits are held.
     sandbox: Mapping[str, Any] | str
@@ -224,6 +227,8 @@ class GuestLauncher:
                 hidden=self._hidden,
                 trusted=self._trusted_for(plan_key, plan_path) if policy.writable else (),
                 tmpfs_size=limits.memory_bytes,
+                # Sampled, a memory limit could not see writes to an overlay.
+                overlay=self.cgroups is not None or limits.memory_bytes is None,
             )
             try:
                 return await self._start_sandboxed(
@@ -254,8 +259,11 @@ class GuestLauncher:
                 cgroup = self.cgroups.create(
                     execution_id,
                     memory_bytes=limits.memory_bytes,
-                    # bubblewrap's pid 1 counts too.
-                    max_tasks=limits.max_processes + 1 if limits.max_processes else None,
+                    # bubblewrap's pid 1 counts too. Without a limit of its own a
+                    # guest still may not take the machine's every pid.
+                    max_tasks=(
+                        limits.max_processes + 1 if limits.max_processes else DEFAULT_MAX_TASKS
+                    ),
                 )
             except OSError as exc:
                 # Detected at start-up but refused now: sample this one, and say so.

@@ -28,6 +28,7 @@ from typing import IO, Any, Final, Literal, Protocol
 import psutil
 
 from supervisor.sandbox import SandboxError, SandboxLaunch
+from supervisor.spawn import GuestProcess, spawn
 from supervisor.tracking import GuestTree, is_subreaper, process_map
 
 __all__ = [
@@ -50,8 +51,6 @@ logger = logging.getLogger(__name__)
 STOP_GRACE_S: Final = 5.0
 #: How often the stop loop checks whether the tree is gone.
 _STOP_POLL_S: Final = 0.02
-#: How often to look for the child watcher's reap once the guest has exited.
-_REAP_POLL_S: Final = 0.002
 #: How long bubblewrap may take to report its sandbox's pid 1.
 SANDBOX_START_TIMEOUT_S: Final = 30.0
 #: How long a sandbox that failed to start may take to say why.
@@ -113,7 +112,7 @@ async def launch_guest(
     stdin: int | IO[Any] | None = None,
     stdout: int | IO[Any] | None = None,
     stderr: int | IO[Any] | None = None,
-) -> asyncio.subprocess.Process:
+) -> GuestProcess:
     """Start a guest without a sandbox, in its own session, with its credential.
 
     Raises:
@@ -124,15 +123,14 @@ async def launch_guest(
     env = dict(env)
     read_end = _credential_fd(env, credential, transport)
     try:
-        return await asyncio.create_subprocess_exec(
-            *argv,
+        return await spawn(
+            argv,
             env=env,
             cwd=cwd,
             stdin=stdin,
             stdout=stdout,
             stderr=stderr,
             pass_fds=() if read_end is None else (read_end,),
-            start_new_session=True,
         )
     finally:
         if read_end is not None:
@@ -253,7 +251,7 @@ async def launch_sandboxed(
     stdout: int | IO[Any] | None = None,
     stderr: int | IO[Any] | None = None,
     join: Callable[[int], None] | None = None,
-) -> tuple[asyncio.subprocess.Process, Sandboxed]:
+) -> tuple[GuestProcess, Sandboxed]:
     """Start a guest inside its sandbox; returns bubblewrap's monitor and the sandbox.
 
     bubblewrap reports the pid of the sandbox's pid 1 (``--info-fd``) before it
@@ -276,28 +274,30 @@ async def launch_sandboxed(
         env["HOSTCALL_CREDENTIAL_FD"] = str(cred_r)
     else:
         _credential_fd(env, credential, transport)
-    args_r, args_w = os.pipe()
+    # The options in a memory file, not a pipe: they may be larger than a pipe
+    # holds (a mask per Unix socket on the host), and nobody reads them yet.
+    args_r = os.memfd_create("hostcall-bwrap-args", os.MFD_CLOEXEC)
     info_r, info_w = os.pipe()
     block_r, block_w = os.pipe()
-    ours = [args_w, info_r, block_w, *([] if cred_w is None else [cred_w])]
+    ours = [info_r, block_w, *([] if cred_w is None else [cred_w])]
     theirs = [args_r, info_w, block_r, *([] if cred_r is None else [cred_r])]
     try:
         options = [*launch.options, "--info-fd", str(info_w), "--block-fd", str(block_r)]
-        _write_all(args_w, b"".join(o.encode() + b"\0" for o in options))
-        os.close(args_w)
-        ours.remove(args_w)
-        process = await asyncio.create_subprocess_exec(
-            str(launch.program),
-            "--args",
-            str(args_r),
-            "--",
-            *launch.command,
+        if launch.seccomp is not None:
+            filter_fd = os.memfd_create("hostcall-seccomp", os.MFD_CLOEXEC)
+            theirs.append(filter_fd)
+            _write_all(filter_fd, launch.seccomp)
+            os.lseek(filter_fd, 0, os.SEEK_SET)
+            options += ["--seccomp", str(filter_fd)]
+        _write_all(args_r, b"".join(o.encode() + b"\0" for o in options))
+        os.lseek(args_r, 0, os.SEEK_SET)
+        process = await spawn(
+            [str(launch.program), "--args", str(args_r), "--", *launch.command],
             env=env,
             stdin=stdin,
             stdout=stdout,
             stderr=stderr,
-            pass_fds=tuple(theirs),
-            start_new_session=True,
+            pass_fds=theirs,
         )
     except BaseException:
         for fd in [*ours, *theirs]:
@@ -310,7 +310,9 @@ async def launch_sandboxed(
         info = await _read_to_eof(info_r, SANDBOX_START_TIMEOUT_S)
         sandbox = _sandbox_from(info)
         if join is not None:
-            join(sandbox.init_pid)
+            # In a thread: joining a cgroup v1 waits for the kernel (an RCU grace
+            # period, ~10 ms) while bubblewrap sets up its mounts meanwhile.
+            await asyncio.to_thread(join, sandbox.init_pid)
         if cred_w is not None:
             _write_all(cred_w, credential.encode("ascii"))
             os.close(cred_w)
@@ -336,7 +338,7 @@ async def launch_sandboxed(
     return process, sandbox
 
 
-async def _stderr_tail(process: asyncio.subprocess.Process) -> str:
+async def _stderr_tail(process: GuestProcess) -> str:
     """What bubblewrap said before it failed (its stderr is the guest's, when piped)."""
     tail = b""
     with contextlib.suppress(TimeoutError, OSError, ValueError):
@@ -416,36 +418,13 @@ def _sandbox_from(info: bytes) -> Sandboxed:
     return Sandboxed(init_pid, pidns, pidfd, nsfd)
 
 
-async def wait_exited(process: asyncio.subprocess.Process) -> int:
+async def wait_exited(process: GuestProcess) -> int:
     """Wait until the guest process itself has exited; returns its returncode.
 
-    Unlike ``process.wait()`` this does not also wait for its output pipes to
-    close, which a leftover grandchild can hold open forever.
+    Not for its output pipes to close, which a leftover grandchild can hold
+    open forever.
     """
-    if process.returncode is not None:
-        return process.returncode
-    loop = asyncio.get_running_loop()
-    try:
-        pidfd = os.pidfd_open(process.pid)
-    except (OSError, AttributeError):  # no pidfd: poll
-        pidfd = None
-    if pidfd is not None:
-        exited: asyncio.Future[None] = loop.create_future()
-
-        def readable() -> None:
-            if not exited.done():
-                exited.set_result(None)
-
-        loop.add_reader(pidfd, readable)
-        try:
-            await exited
-        finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-    # The event loop's child watcher reaps it and records the code right after.
-    while process.returncode is None:  # noqa: ASYNC110 - no event for the watcher's reap
-        await asyncio.sleep(_STOP_POLL_S if pidfd is None else _REAP_POLL_S)
-    return process.returncode
+    return await process.wait()
 
 
 class CgroupPort(Protocol):
@@ -457,7 +436,7 @@ class CgroupPort(Protocol):
 
 
 async def stop_sandbox(
-    process: asyncio.subprocess.Process,
+    process: GuestProcess,
     sandbox: Sandboxed,
     *,
     grace_s: float = STOP_GRACE_S,
@@ -530,7 +509,7 @@ def _reap_adopted(tree: GuestTree, pgid: int) -> None:
 
 
 async def stop_tree(
-    process: asyncio.subprocess.Process,
+    process: GuestProcess,
     tree: GuestTree,
     *,
     grace_s: float = STOP_GRACE_S,

@@ -11,6 +11,8 @@
   so a guest gets only what it is meant to (its stdio and credential). A
   folder's descriptor would otherwise let it look up paths outside its
   sandbox's mounts. Descriptors Python opens are close-on-exec already.
+- **A log a guest cannot flood**: aiohttp logs every frame its parser
+  rejects; those loggers are rate-limited.
 """
 
 from __future__ import annotations
@@ -23,10 +25,20 @@ import os
 import resource
 from typing import Final
 
-__all__ = ["close_inherited_on_exec", "is_dumpable", "protect_process"]
+__all__ = [
+    "RateLimit",
+    "close_inherited_on_exec",
+    "is_dumpable",
+    "limit_noisy_loggers",
+    "protect_process",
+]
 
 logger = logging.getLogger(__name__)
 
+#: Loggers a guest can make speak, and how much of them gets through.
+NOISY_LOGGERS: Final = ("aiohttp.server", "aiohttp.web", "aiohttp.access")
+LOG_BURST: Final = 20
+LOG_PERIOD_S: Final = 60.0
 _PR_SET_DUMPABLE: Final = 4
 _PR_GET_DUMPABLE: Final = 3
 
@@ -54,6 +66,7 @@ def protect_process() -> None:
     """Make this process non-dumpable, raise its descriptor limit and stop its
     inherited descriptors from reaching guests. Idempotent."""
     close_inherited_on_exec()
+    limit_noisy_loggers()
     try:
         if _prctl(_PR_SET_DUMPABLE, 0) != 0:
             logger.warning("could not make the supervisor non-dumpable")
@@ -65,6 +78,40 @@ def protect_process() -> None:
             hard = 1 << 20
         if soft != resource.RLIM_INFINITY and soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class RateLimit(logging.Filter):
+    """Lets at most ``burst`` records through per ``period_s``, then one line
+    saying how many were dropped: a guest that sends malformed frames in a
+    loop must not fill the supervisor's log (SPEC §13, S9)."""
+
+    def __init__(self, burst: int = LOG_BURST, period_s: float = LOG_PERIOD_S) -> None:
+        super().__init__()
+        self._burst = burst
+        self._period_s = period_s
+        self._window = 0.0
+        self._passed = 0
+        self._dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.created - self._window >= self._period_s:
+            if self._dropped:
+                record.msg = f"({self._dropped} similar messages dropped) {record.msg}"
+            self._window, self._passed, self._dropped = record.created, 0, 0
+        if self._passed >= self._burst:
+            self._dropped += 1
+            return False
+        self._passed += 1
+        return True
+
+
+def limit_noisy_loggers() -> None:
+    """Rate-limit the loggers a guest can make speak (aiohttp's, for frames
+    its parser rejects). Idempotent."""
+    for name in NOISY_LOGGERS:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, RateLimit) for f in target.filters):
+            target.addFilter(RateLimit())
 
 
 def is_dumpable() -> bool:

@@ -53,6 +53,7 @@ from supervisor.process import (
 from supervisor.protection import protect_process
 from supervisor.receipts import JournaledReceipts, ReceiptLog, Receipts
 from supervisor.sandbox import GUEST_SOCKET, SandboxHost
+from supervisor.spawn import GuestProcess
 from supervisor.statedir import StateDir
 from supervisor.stores import EffectStore, SQLiteEffectStore, store_from_spec
 from supervisor.terminal import StdinRelay, is_terminal
@@ -126,6 +127,9 @@ class Supervisor:
         self.metrics = Metrics(self.approvals.waiting)
         #: The plan ``POST /v1/invocations`` launches guests under (``hostcall serve``).
         self.served_plan = plan
+        #: The limits every guest launched that way runs under (``hostcall serve
+        #: --memory …``); a request's ``timeout_s`` overrides their timeout.
+        self.launch_limits = Limits()
         self._origin_check = origin_check
         self._credential_transport: CredentialTransport = credential_transport
         self._max_body = max_body
@@ -506,7 +510,7 @@ class Supervisor:
 
     def _start_pumps(
         self,
-        process: asyncio.subprocess.Process,
+        process: GuestProcess,
         execution: Execution,
         invocation: _Invocation,
         credential: str,
@@ -595,7 +599,8 @@ class Supervisor:
         plan: Plan | None = None,
     ) -> Execution:
         """Start a guest in the background (``POST /v1/invocations``); returns once
-        it runs. The supervisor stops it on :meth:`aclose`.
+        it runs, under :attr:`launch_limits` (``timeout_s`` overrides their
+        timeout). The supervisor stops it on :meth:`aclose`.
 
         Raises:
             RuntimeError: no plan given and none served.
@@ -611,6 +616,7 @@ class Supervisor:
                 argv,
                 invocation_id=invocation_id,
                 timeout_s=timeout_s,
+                limits=self.launch_limits,
                 stdin=asyncio.subprocess.DEVNULL,
                 on_start=started.set_result,
             )
@@ -629,7 +635,7 @@ class Supervisor:
 
 
 async def _wait_for_guest(
-    process: asyncio.subprocess.Process, execution: Execution, timeout_s: float | None
+    process: GuestProcess, execution: Execution, timeout_s: float | None
 ) -> EndReason:
     """Wait until the guest exits (``exited``), its execution is cancelled
     (``cancelled``, or a limit's reason), fenced by a newer attempt

@@ -36,8 +36,16 @@ from pathlib import Path
 from typing import Any, Final
 
 from supervisor.sandbox.layout import Layout
-from supervisor.sandbox.paths import Account, bound_unix_sockets, command_paths, mount_points
+from supervisor.sandbox.paths import (
+    Account,
+    bound_unix_sockets,
+    command_paths,
+    is_within,
+    mount_points,
+)
 from supervisor.sandbox.policy import SandboxError, SandboxPolicy, check_writable
+from supervisor.sandbox.seccomp import supported as seccomp_supported
+from supervisor.sandbox.seccomp import syscall_filter
 
 __all__ = [
     "DEFAULT_GUEST_UID",
@@ -53,6 +61,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_GUEST_UID: Final = 65534
 #: How long the start-up probe may take.
 PROBE_TIMEOUT_S: Final = 10.0
+#: A folder with more bound Unix sockets than this is masked whole.
+SOCKETS_PER_FOLDER: Final = 8
+#: The most Unix-socket masks one sandbox gets.
+MAX_SOCKET_MASKS: Final = 256
 NO_SANDBOX_HINT: Final = "run with --no-sandbox to start guests without one (they are then trusted)"
 
 
@@ -90,6 +102,8 @@ class SandboxLaunch:
     #: Host paths shown and masked (for tests and the debug log).
     exposed: tuple[Path, ...] = ()
     masked: tuple[Path, ...] = ()
+    #: The seccomp filter (``sock_filter`` bytes) for ``--seccomp``, if any.
+    seccomp: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -169,12 +183,15 @@ class SandboxHost:
         hidden: Sequence[Path] = (),
         trusted: Sequence[Path] = (),
         tmpfs_size: int | None = None,
+        overlay: bool = True,
     ) -> SandboxLaunch:
         """The sandbox of one guest (see :mod:`supervisor.sandbox.layout` for the order).
 
         ``socket`` is the channel's socket on the host; ``hidden`` extra paths
         to mask like the state dir (a private socket folder); ``trusted`` what
-        no writable path may hold (:func:`policy.trusted_paths`).
+        no writable path may hold (:func:`policy.trusted_paths`). ``overlay``
+        False keeps the launch folder from being the working directory (its
+        overlay's writes go to a tmpfs no ``tmpfs_size`` bounds).
 
         Raises:
             SandboxError: a writable path is unsafe, or a named path is missing
@@ -205,7 +222,7 @@ class SandboxHost:
             layout.bind(policy.workdir, writable=True)
             inside_cwd = policy.workdir
             workdir = str(policy.workdir)
-        elif self.overlay and self._can_overlay(layout, cwd, [*state_dirs, *hide]):
+        elif overlay and self.overlay and self._can_overlay(layout, cwd, [*state_dirs, *hide]):
             layout.workdir_overlay(cwd)
             inside_cwd = cwd
             workdir = "overlay"
@@ -217,8 +234,12 @@ class SandboxHost:
         for path in policy.read_write:
             layout.bind(path, writable=True)
         inside_socket = layout.socket(socket)
-        # A socket path may run through a link (/var/run -> /run): mask where it really is.
-        sockets = {Path(os.path.realpath(s)) for s in bound_unix_sockets()} - {socket}
+        sockets = _socket_masks(
+            bound_unix_sockets(),
+            channel=socket,
+            writable=[Path(os.path.realpath(p)) for p in policy.writable],
+            keep=[cwd, *needed],
+        )
         layout.mask([*state_dirs, *hidden, *hide, *sockets])
         options = [
             *layout.args,
@@ -227,6 +248,8 @@ class SandboxHost:
             *self.namespace_options(policy.network),
         ]
         description = {**self.describe(policy.network), "workdir": workdir}
+        seccomp = syscall_filter() if seccomp_supported() else None
+        description["seccomp"] = seccomp is not None
         return SandboxLaunch(
             program=self.bwrap,
             options=tuple(options),
@@ -235,6 +258,7 @@ class SandboxHost:
             description=description,
             exposed=tuple(layout.exposed),
             masked=tuple(layout.masked),
+            seccomp=seccomp,
         )
 
     def _prepare_writable(self, path: Path) -> None:
@@ -267,6 +291,40 @@ class SandboxHost:
             return False
         # An overlay shows only the folder's own file system: mounts below would vanish.
         return not any(cwd in point.parents for point in mount_points())
+
+
+def _socket_masks(
+    bound: Sequence[Path], *, channel: Path, writable: Sequence[Path], keep: Sequence[Path]
+) -> list[Path]:
+    """What to mask so that the guest cannot connect to a Unix socket of the host.
+
+    A socket's own path, where it really is (``/var/run`` may lead to ``/run``);
+    a folder that holds many, as one mask (a mask per socket could make the
+    sandbox's options as long as anyone bound sockets), unless the command needs
+    something inside; none in a folder the guest may write anyway. At most
+    :data:`MAX_SOCKET_MASKS`: past that, the rest is left (and logged).
+    """
+    by_folder: dict[Path, list[Path]] = {}
+    for path in bound:
+        real = Path(os.path.realpath(path))
+        if real == channel or any(is_within(real, w) for w in writable):
+            continue
+        by_folder.setdefault(real.parent, []).append(real)
+    masks: list[Path] = []
+    for folder, paths in by_folder.items():
+        needed = any(is_within(k, folder) or is_within(folder, k) for k in keep)
+        if len(paths) > SOCKETS_PER_FOLDER and not needed:
+            masks.append(folder)
+        else:
+            masks.extend(paths)
+    if len(masks) > MAX_SOCKET_MASKS:
+        logger.warning(
+            "%d Unix sockets are bound where guests can see them; the sandbox masks %d",
+            len(masks),
+            MAX_SOCKET_MASKS,
+        )
+        masks = masks[:MAX_SOCKET_MASKS]
+    return masks
 
 
 def _scrubbed(env: Mapping[str, str], state_dirs: Sequence[str], socket: Path) -> dict[str, str]:

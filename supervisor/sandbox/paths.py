@@ -62,7 +62,8 @@ class Account:
 
 def is_within(path: Path, folder: Path) -> bool:
     """Whether ``path`` is ``folder`` or lies below it (both absolute, normalised)."""
-    return path == folder or folder in path.parents
+    p, f = str(path), str(folder)
+    return p == f or f == "/" or p.startswith(f + "/")
 
 
 def reachable(path: Path, account: Account) -> Path | None:

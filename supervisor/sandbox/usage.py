@@ -131,7 +131,9 @@ class SandboxTree:
             self._cpu_from(snapshot, children_of)
         if usage.oom_kills:
             self._violated("memory_limit")
-        elif usage.task_limit_hits:
+        elif usage.task_limit_hits and self.limits.max_processes is not None:
+            # Only a limit the caller set ends the guest; the default cap merely
+            # refuses the fork.
             self._violated("process_limit")
         self._check_cpu()
         if snapshot:

@@ -1,0 +1,154 @@
+"""Starting a guest's first process: the one place that calls ``subprocess.Popen``.
+
+Why not ``asyncio.create_subprocess_exec``: on uvloop (hostcall's default
+loop) it forks, and ``fork`` copies the supervisor's page tables while the
+event loop waits — tens of milliseconds for a supervisor serving many guests,
+during which no call is answered. ``subprocess.Popen`` uses ``vfork`` (the
+parent thread waits only until the child has exec'd), closes every
+descriptor but the ones passed (``close_fds``), and runs in the event loop's
+thread, so the child's parent-death signal (bubblewrap's
+``--die-with-parent``) is tied to a thread that lives as long as the
+supervisor.
+
+:class:`GuestProcess` gives the result the shape of
+``asyncio.subprocess.Process`` (``pid``, ``returncode``, ``stdin``,
+``stdout``, ``stderr``, ``wait``, signals): its pipes are asyncio streams, and
+its exit is seen on a pidfd and reaped here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+__all__ = ["GuestProcess", "spawn"]
+
+
+class GuestProcess:
+    """A started guest process, for asyncio (see the module docstring)."""
+
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        *,
+        stdin: asyncio.StreamWriter | None,
+        stdout: asyncio.StreamReader | None,
+        stderr: asyncio.StreamReader | None,
+    ) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self.stdin = stdin
+        self.stdout = stdout
+        self.stderr = stderr
+        self.returncode: int | None = None
+        loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future[int] = loop.create_future()
+        self._loop = loop
+        try:
+            self._pidfd: int | None = os.pidfd_open(self.pid)
+        except OSError:  # no pidfd (Linux < 5.3): ask on a timer instead
+            self._pidfd = None
+            self._poll = loop.call_later(_POLL_S, self._check)
+        else:
+            loop.add_reader(self._pidfd, self._check)
+
+    def _check(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped by someone else: the code is lost
+            pid, status = self.pid, 255 << 8
+        if pid == 0:  # not yet (a pidfd is readable only once it has exited)
+            if self._pidfd is None:
+                self._poll = self._loop.call_later(_POLL_S, self._check)
+            return
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        code = os.waitstatus_to_exitcode(status)
+        self.returncode = self._popen.returncode = code
+        if not self._exited.done():
+            self._exited.set_result(code)
+
+    async def wait(self) -> int:
+        """Wait until the process itself has exited (not for its pipes to close,
+        which a leftover grandchild may hold open forever); its returncode."""
+        return await asyncio.shield(self._exited)
+
+    def send_signal(self, signum: int) -> None:
+        """Signal it, unless it has been reaped (its pid may be someone else's)."""
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        """SIGTERM."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL."""
+        self.send_signal(signal.SIGKILL)
+
+
+#: How often the exit is checked where the kernel has no pidfd.
+_POLL_S = 0.02
+
+
+async def spawn(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: str | os.PathLike[str] | None = None,
+    stdin: int | IO[Any] | None = None,
+    stdout: int | IO[Any] | None = None,
+    stderr: int | IO[Any] | None = None,
+    pass_fds: Sequence[int] = (),
+) -> GuestProcess:
+    """Start ``argv`` in a session of its own with only ``pass_fds`` (and stdio)
+    inherited. ``stdin``/``stdout``/``stderr`` take what ``subprocess`` takes;
+    ``subprocess.PIPE`` gives an asyncio stream.
+
+    Raises:
+        OSError: the program could not be started.
+    """
+    # vfork: the loop waits only until the child exec's (see the module docstring).
+    popen = subprocess.Popen(  # noqa: ASYNC220
+        list(argv),
+        env=dict(env),
+        cwd=cwd,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        pass_fds=tuple(pass_fds),
+        close_fds=True,
+        start_new_session=True,
+    )
+    try:
+        writer = await _writer(popen.stdin) if popen.stdin is not None else None
+        out = await _reader(popen.stdout) if popen.stdout is not None else None
+        err = await _reader(popen.stderr) if popen.stderr is not None else None
+    except BaseException:
+        popen.kill()
+        popen.wait()
+        raise
+    return GuestProcess(popen, stdin=writer, stdout=out, stderr=err)
+
+
+async def _reader(pipe: IO[bytes]) -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(loop=loop)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop), pipe)
+    return reader
+
+
+async def _writer(pipe: IO[bytes]) -> asyncio.StreamWriter:
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.connect_write_pipe(
+        lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader(loop=loop), loop=loop), pipe
+    )
+    return asyncio.StreamWriter(transport, protocol, None, loop)
