@@ -28,14 +28,8 @@ from typing import IO, Any, Final
 
 from supervisor.cgroups import CgroupHost, ExecutionCgroup
 from supervisor.limits import EndReason, Limits
-from supervisor.process import (
-    CredentialTransport,
-    Sandboxed,
-    launch_guest,
-    launch_sandboxed,
-    stop_sandbox,
-    stop_tree,
-)
+from supervisor.outcomes import ExecutionOutcome
+from supervisor.process import CredentialTransport, launch_guest, stop_tree
 from supervisor.sandbox import (
     SandboxError,
     SandboxHost,
@@ -43,6 +37,7 @@ from supervisor.sandbox import (
     SandboxPolicy,
     trusted_paths,
 )
+from supervisor.sandbox.start import Sandboxed, launch_sandboxed, stop_sandbox
 from supervisor.sandbox.usage import SandboxTree
 from supervisor.spawn import GuestProcess
 from supervisor.tracking import GuestTree, TreeTracker
@@ -125,6 +120,34 @@ class RunningGuest:
         """The limit the guest crossed, if any (also one the kernel refused
         just before it exited)."""
         return self.tree.violation
+
+    def outcome(
+        self, reason: EndReason, duration_s: float, calls: Mapping[str, int]
+    ) -> ExecutionOutcome:
+        """How it ended (once :meth:`stop` returned) and what it used."""
+        returncode = self.process.returncode
+        signum = -returncode if returncode is not None and returncode < 0 else None
+        if self.sandbox != "off" and returncode is not None and 128 < returncode <= 128 + 64:
+            # bubblewrap reports a guest ended by signal N as 128+N, as a shell does.
+            signum, returncode = returncode - 128, None
+        crossed = self.limit_crossed()
+        if reason in ("exited", "signalled") and crossed is not None:
+            # The kernel refused memory or a fork just before the guest ended.
+            reason = crossed
+        if reason == "exited" and signum is not None:
+            reason = "signalled"
+        return ExecutionOutcome(
+            execution_id=self.execution_id,
+            exit_code=returncode if returncode is not None and returncode >= 0 else None,
+            signal=signum,
+            reason=reason,
+            duration_s=duration_s,
+            cpu_s=self.cpu_s,
+            peak_rss_bytes=self.peak_memory_bytes,
+            peak_processes=self.peak_processes,
+            calls=calls,
+            sandbox=self.sandbox,
+        )
 
 
 def _check_command(argv: Sequence[str], env: Mapping[str, str], cwd: Path) -> None:

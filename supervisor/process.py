@@ -1,46 +1,36 @@
-"""Guest processes: the only place that starts or stops one (SPEC §3, §13).
+"""Guest processes: what every guest gets, and the unsandboxed start and stop (SPEC §3).
 
 A guest gets its own session and process group, the ``HOSTCALL_*`` variables,
 and its credential through an inherited pipe, never argv or (by default) its
-environment. Stopping is TERM to the whole tree, a grace period, then KILL.
-
-A sandboxed guest is started by bubblewrap (:mod:`supervisor.sandbox`): the
-process we start is bubblewrap's monitor, whose child becomes pid 1 of the
-guest's own pid namespace and starts the command. Nothing of the guest can
-leave that namespace, and when its pid 1 dies the kernel kills everything in
-it at once: that is the atomic end of the tree. The command waits (bubblewrap's
-``--block-fd``) until the supervisor has put pid 1 into the execution's cgroup,
-so no guest code runs outside it.
+environment. Stopping an unsandboxed guest is TERM to the whole tree (which
+may have left its group, see :mod:`supervisor.tracking`), a grace period,
+then KILL. A sandboxed guest is started and stopped by
+:mod:`supervisor.sandbox.start`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import IO, Any, Final, Literal, Protocol
+from dataclasses import dataclass
+from typing import IO, Any, Final, Literal
 
 import psutil
 
-from supervisor.sandbox import SandboxError, SandboxLaunch
 from supervisor.spawn import GuestProcess, spawn
-from supervisor.tracking import GuestTree, is_subreaper, process_map
+from supervisor.tracking import GuestTree, is_subreaper
 
 __all__ = [
-    "SANDBOX_START_TIMEOUT_S",
     "STOP_GRACE_S",
     "CredentialTransport",
     "GuestIdentity",
-    "Sandboxed",
+    "credential_fd",
     "guest_environment",
     "launch_guest",
-    "launch_sandboxed",
-    "stop_sandbox",
     "stop_tree",
     "wait_exited",
 ]
@@ -51,10 +41,6 @@ logger = logging.getLogger(__name__)
 STOP_GRACE_S: Final = 5.0
 #: How often the stop loop checks whether the tree is gone.
 _STOP_POLL_S: Final = 0.02
-#: How long bubblewrap may take to report its sandbox's pid 1.
-SANDBOX_START_TIMEOUT_S: Final = 30.0
-#: How long a sandbox that failed to start may take to say why.
-STDERR_TAIL_TIMEOUT_S: Final = 1.0
 
 CredentialTransport = Literal["fd", "env"]
 
@@ -79,7 +65,7 @@ def guest_environment(base: Mapping[str, str], identity: GuestIdentity) -> dict[
     return env
 
 
-def _credential_fd(
+def credential_fd(
     env: dict[str, str], credential: str, transport: CredentialTransport
 ) -> int | None:
     """Hand the credential over as ``transport`` says; returns the read end to pass.
@@ -121,7 +107,7 @@ async def launch_guest(
     if not argv:
         raise ValueError("a guest needs a command to run")
     env = dict(env)
-    read_end = _credential_fd(env, credential, transport)
+    read_end = credential_fd(env, credential, transport)
     try:
         return await spawn(
             argv,
@@ -137,287 +123,6 @@ async def launch_guest(
             os.close(read_end)
 
 
-@dataclass(eq=False)
-class Sandboxed:
-    """A running sandbox: its pid 1 (pinned by a pidfd) and its pid namespace."""
-
-    init_pid: int
-    #: Inode of the guest's pid namespace: the channel's origin check.
-    pidns: int
-    pidfd: int | None = field(default=None, repr=False)
-    #: Held open until the execution has ended: a namespace's inode number is
-    #: reused as soon as it is freed, and another sandbox must not get this
-    #: one's while the channel still accepts it.
-    nsfd: int | None = field(default=None, repr=False)
-    _reaped: bool = field(default=False, repr=False)
-
-    def signal(self, signum: int) -> None:
-        """Signal pid 1; SIGKILL ends every process of the sandbox at once."""
-        with contextlib.suppress(ProcessLookupError, OSError):
-            if self.pidfd is not None:
-                signal.pidfd_send_signal(self.pidfd, signum)
-            else:
-                os.kill(self.init_pid, signum)
-
-    def members(self) -> list[int]:
-        """The sandbox's processes but its pid 1, from one pass over ``/proc``."""
-        children_of = process_map()
-        found: list[int] = []
-        stack = list(children_of.get(self.init_pid, ()))
-        while stack:
-            pid = stack.pop()
-            found.append(pid)
-            stack.extend(children_of.get(pid, ()))
-        return found
-
-    async def wait_gone(self, timeout_s: float) -> bool:
-        """Wait (bounded) until pid 1, and with it every process inside, has ended.
-
-        The kernel kills and reaps a pid namespace's processes before its pid 1
-        counts as exited. Reaps pid 1 if it became our child (we are a subreaper
-        and bubblewrap's monitor, its parent, ended first).
-        """
-        gone = True
-        if self.pidfd is not None:
-            loop = asyncio.get_running_loop()
-            ended: asyncio.Future[None] = loop.create_future()
-
-            def readable() -> None:
-                if not ended.done():
-                    ended.set_result(None)
-
-            loop.add_reader(self.pidfd, readable)
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await ended
-            except TimeoutError:
-                gone = False
-            finally:
-                loop.remove_reader(self.pidfd)
-        if gone:
-            self._reaped = _reap(self.init_pid)
-        return gone
-
-    def close(self) -> None:
-        """Release the pidfd and the namespace. Idempotent.
-
-        A pid 1 not yet reaped (it became our child when bubblewrap's monitor
-        ended first, and is still dying) is reaped as soon as it exits, so no
-        zombie is left behind.
-        """
-        if self.pidfd is not None:
-            pidfd, self.pidfd = self.pidfd, None
-            if self._reaped:
-                os.close(pidfd)
-            else:
-                _reap_when_exited(self.init_pid, pidfd)
-        if self.nsfd is not None:
-            nsfd, self.nsfd = self.nsfd, None
-            os.close(nsfd)
-
-
-def _reap(pid: int) -> bool:
-    """Reap ``pid`` if it is an exited child of ours; True unless it is one still running."""
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return True  # not ours (its own parent reaps it), or reaped already
-    return done == pid
-
-
-def _reap_when_exited(pid: int, pidfd: int) -> None:
-    """Reap ``pid`` once its pidfd says it has exited; takes the pidfd."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        _reap(pid)
-        os.close(pidfd)
-        return
-
-    def exited() -> None:
-        loop.remove_reader(pidfd)
-        _reap(pid)
-        os.close(pidfd)
-
-    loop.add_reader(pidfd, exited)
-
-
-async def launch_sandboxed(
-    launch: SandboxLaunch,
-    *,
-    credential: str,
-    transport: CredentialTransport = "fd",
-    stdin: int | IO[Any] | None = None,
-    stdout: int | IO[Any] | None = None,
-    stderr: int | IO[Any] | None = None,
-    join: Callable[[int], None] | None = None,
-) -> tuple[GuestProcess, Sandboxed]:
-    """Start a guest inside its sandbox; returns bubblewrap's monitor and the sandbox.
-
-    bubblewrap reports the pid of the sandbox's pid 1 (``--info-fd``) before it
-    runs anything of the guest, then waits on ``--block-fd``: ``join(pid)``
-    (the execution's cgroup) runs in between, so the guest's first instruction
-    already runs inside it.
-
-    Raises:
-        OSError: bubblewrap could not be started.
-        SandboxError: bubblewrap ended before it reported the sandbox, or
-            ``join`` failed (the sandbox is then killed).
-    """
-    env = dict(launch.env)
-    # The credential is written only once the sandbox is in its cgroup: should
-    # the supervisor die before, a guest that runs anyway reads nothing.
-    cred_r: int | None = None
-    cred_w: int | None = None
-    if transport == "fd":
-        cred_r, cred_w = os.pipe()
-        env["HOSTCALL_CREDENTIAL_FD"] = str(cred_r)
-    else:
-        _credential_fd(env, credential, transport)
-    # The options in a memory file, not a pipe: they may be larger than a pipe
-    # holds (a mask per Unix socket on the host), and nobody reads them yet.
-    args_r = os.memfd_create("hostcall-bwrap-args", os.MFD_CLOEXEC)
-    info_r, info_w = os.pipe()
-    block_r, block_w = os.pipe()
-    ours = [info_r, block_w, *([] if cred_w is None else [cred_w])]
-    theirs = [args_r, info_w, block_r, *([] if cred_r is None else [cred_r])]
-    try:
-        options = [*launch.options, "--info-fd", str(info_w), "--block-fd", str(block_r)]
-        if launch.seccomp is not None:
-            filter_fd = os.memfd_create("hostcall-seccomp", os.MFD_CLOEXEC)
-            theirs.append(filter_fd)
-            _write_all(filter_fd, launch.seccomp)
-            os.lseek(filter_fd, 0, os.SEEK_SET)
-            options += ["--seccomp", str(filter_fd)]
-        _write_all(args_r, b"".join(o.encode() + b"\0" for o in options))
-        os.lseek(args_r, 0, os.SEEK_SET)
-        process = await spawn(
-            [str(launch.program), "--args", str(args_r), "--", *launch.command],
-            env=env,
-            stdin=stdin,
-            stdout=stdout,
-            stderr=stderr,
-            pass_fds=theirs,
-        )
-    except BaseException:
-        for fd in [*ours, *theirs]:
-            os.close(fd)
-        raise
-    for fd in theirs:
-        os.close(fd)
-    sandbox: Sandboxed | None = None
-    try:
-        info = await _read_to_eof(info_r, SANDBOX_START_TIMEOUT_S)
-        sandbox = _sandbox_from(info)
-        if join is not None:
-            # In a thread: joining a cgroup v1 waits for the kernel (an RCU grace
-            # period, ~10 ms) while bubblewrap sets up its mounts meanwhile.
-            await asyncio.to_thread(join, sandbox.init_pid)
-        if cred_w is not None:
-            _write_all(cred_w, credential.encode("ascii"))
-            os.close(cred_w)
-            ours.remove(cred_w)
-        with contextlib.suppress(BrokenPipeError):
-            os.write(block_w, b"x")  # the guest may run now
-    except BaseException as exc:
-        # Its pid 1 has no parent-death signal until the guest starts: kill
-        # both, before the blocked pid 1 sees our end of the pipe close.
-        if sandbox is not None:
-            sandbox.signal(signal.SIGKILL)
-            sandbox.close()
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        if isinstance(exc, Exception):  # not a cancel: the sandbox failed to start
-            detail = await _stderr_tail(process)
-            message = exc.message if isinstance(exc, SandboxError) else str(exc)
-            raise SandboxError(f"the sandbox did not start: {message}{detail}") from exc
-        raise
-    finally:
-        for fd in ours:
-            os.close(fd)
-    return process, sandbox
-
-
-async def _stderr_tail(process: GuestProcess) -> str:
-    """What bubblewrap said before it failed (its stderr is the guest's, when piped)."""
-    tail = b""
-    with contextlib.suppress(TimeoutError, OSError, ValueError):
-        async with asyncio.timeout(STDERR_TAIL_TIMEOUT_S):
-            if process.stderr is not None:
-                tail = await process.stderr.read(4096)
-            await process.wait()
-    text = tail.decode(errors="replace").strip().splitlines()
-    return f" ({text[-1]})" if text else ""
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-async def _read_to_eof(fd: int, timeout_s: float) -> bytes:
-    """Read a pipe to EOF on the event loop, bounded by ``timeout_s``."""
-    os.set_blocking(fd, False)
-    loop = asyncio.get_running_loop()
-    chunks: list[bytes] = []
-    done: asyncio.Future[None] = loop.create_future()
-
-    def readable() -> None:
-        try:
-            while chunk := os.read(fd, 4096):
-                chunks.append(chunk)
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            if not done.done():
-                done.set_exception(exc)
-            return
-        if not done.done():
-            done.set_result(None)
-
-    loop.add_reader(fd, readable)
-    try:
-        async with asyncio.timeout(timeout_s):
-            await done
-    except TimeoutError:
-        raise SandboxError(
-            f"bubblewrap did not report its sandbox within {timeout_s:g} s"
-        ) from None
-    finally:
-        loop.remove_reader(fd)
-    return b"".join(chunks)
-
-
-def _sandbox_from(info: bytes) -> Sandboxed:
-    if not info.strip():
-        raise SandboxError(
-            "bubblewrap ended before it started the sandbox (see the guest's stderr)"
-        )
-    try:
-        fields = json.loads(info)
-        init_pid = int(fields["child-pid"])
-        pidns = int(fields["pid-namespace"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SandboxError(f"unexpected report from bubblewrap: {info[:200]!r}") from exc
-    try:
-        pidfd: int | None = os.pidfd_open(init_pid)
-    except OSError:
-        pidfd = None  # an older kernel: signals go by pid (it is a grandchild of ours)
-    try:
-        nsfd = os.open(f"/proc/{init_pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        if pidfd is not None:
-            os.close(pidfd)
-        raise SandboxError(f"the sandbox's pid 1 is gone: {exc}") from None
-    if os.fstat(nsfd).st_ino != pidns:
-        os.close(nsfd)
-        if pidfd is not None:
-            os.close(pidfd)
-        raise SandboxError("the sandbox's pid 1 is not the process bubblewrap reported")
-    return Sandboxed(init_pid, pidns, pidfd, nsfd)
-
-
 async def wait_exited(process: GuestProcess) -> int:
     """Wait until the guest process itself has exited; returns its returncode.
 
@@ -425,50 +130,6 @@ async def wait_exited(process: GuestProcess) -> int:
     open forever.
     """
     return await process.wait()
-
-
-class CgroupPort(Protocol):
-    """What stopping a sandbox needs of the execution's cgroup."""
-
-    def pids(self) -> list[int]: ...
-
-    def kill(self) -> None: ...
-
-
-async def stop_sandbox(
-    process: GuestProcess,
-    sandbox: Sandboxed,
-    *,
-    grace_s: float = STOP_GRACE_S,
-    cgroup: CgroupPort | None = None,
-) -> list[int]:
-    """End a sandboxed guest: TERM to every process inside but pid 1, ``grace_s``,
-    then KILL — the cgroup's atomic kill and SIGKILL to pid 1, which ends the
-    whole pid namespace at once. Returns the pids still inside afterwards
-    (empty unless the kernel refused to kill them).
-    """
-    if process.returncode is None:
-        inside = cgroup.pids() if cgroup is not None else sandbox.members()
-        for pid in inside:
-            if pid != sandbox.init_pid:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGTERM)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(grace_s):
-                await wait_exited(process)
-    if process.returncode is None or not await sandbox.wait_gone(grace_s):
-        if cgroup is not None:
-            with contextlib.suppress(OSError):
-                cgroup.kill()
-        sandbox.signal(signal.SIGKILL)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(grace_s):
-                await wait_exited(process)
-        await sandbox.wait_gone(grace_s)
-    survivors = cgroup.pids() if cgroup is not None else sandbox.members()
-    if survivors:
-        logger.error("processes of a sandbox survived SIGKILL: %s", survivors)
-    return survivors
 
 
 def _group_alive(pgid: int) -> bool:

@@ -28,7 +28,7 @@ from supervisor.broker import Broker
 from supervisor.cgroups import CgroupHost
 from supervisor.errors import InvocationMismatch
 from supervisor.executions import Execution, ExecutionState, ExecutionTable
-from supervisor.guests import GuestLauncher, RunningGuest
+from supervisor.guests import GuestLauncher
 from supervisor.ids import is_valid_id, mint_credential, new_id
 from supervisor.limits import EndReason, Limits
 from supervisor.logs import (
@@ -473,40 +473,13 @@ class Supervisor:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._stop_grace_s):
                         await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
-        outcome = self._outcome(execution, guest, reason, time.monotonic() - started)
+        outcome = guest.outcome(reason, time.monotonic() - started, dict(execution.broker.outcomes))
         execution.outcome = outcome
         self._executions.retire(execution)
         if not any(e.live for e in self._executions.of_invocation(invocation_id)):
             # Nothing of it runs here now; a resume rebuilds it from the store.
             self._invocations.pop(invocation_id, None)
         return outcome
-
-    @staticmethod
-    def _outcome(
-        execution: Execution, guest: RunningGuest, reason: EndReason, duration_s: float
-    ) -> ExecutionOutcome:
-        returncode = guest.process.returncode
-        signum = -returncode if returncode is not None and returncode < 0 else None
-        if guest.sandbox != "off" and returncode is not None and 128 < returncode <= 128 + 64:
-            # bubblewrap reports a guest ended by signal N as 128+N, as a shell does.
-            signum, returncode = returncode - 128, None
-        if reason in ("exited", "signalled") and guest.limit_crossed() is not None:
-            # The kernel refused memory or a fork just before the guest ended.
-            reason = guest.limit_crossed() or reason
-        if reason == "exited" and signum is not None:
-            reason = "signalled"
-        return ExecutionOutcome(
-            execution_id=execution.execution_id,
-            exit_code=returncode if returncode is not None and returncode >= 0 else None,
-            signal=signum,
-            reason=reason,
-            duration_s=duration_s,
-            cpu_s=guest.cpu_s,
-            peak_rss_bytes=guest.peak_memory_bytes,
-            peak_processes=guest.peak_processes,
-            calls=dict(execution.broker.outcomes),
-            sandbox=guest.sandbox,
-        )
 
     def _start_pumps(
         self,

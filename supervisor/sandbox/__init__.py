@@ -3,10 +3,13 @@
 - :mod:`.policy` — the plan's ``[sandbox]`` table and what a writable path may not hold;
 - :mod:`.paths` — what the guest's command needs from the host, and who may reach it;
 - :mod:`.layout` — the guest's view of the file system, mount by mount;
-- :mod:`.bwrap` — what this host allows, and one guest's bubblewrap command.
+- :mod:`.bwrap` — what this host allows, and one guest's bubblewrap command;
+- :mod:`.seccomp` — the system calls a guest may not make;
+- :mod:`.start` — starting and stopping a sandboxed guest;
+- :mod:`.usage` — what it uses, and the limits it may not cross.
 
-The process is started by :func:`supervisor.process.launch_guest`; its
-resources are counted by :mod:`supervisor.cgroups`.
+Its cgroup is :mod:`supervisor.cgroups`; :mod:`supervisor.guests` puts it all
+together for the supervisor.
 """
 
 from __future__ import annotations

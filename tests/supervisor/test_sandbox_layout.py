@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import site
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -100,7 +101,9 @@ def test_a_plan_cannot_make_the_state_dir_or_the_tools_writable(tmp_path: Path) 
         (tmp_path, "state dir"),  # holds the state dir
         (state / "receipts", "state dir"),  # inside it
         (plan_dir, "imports or trusts"),  # holds a tool module
-        (Path(sys.prefix), "imports or trusts"),  # holds the supervisor's own packages
+        (Path(sys.prefix), "code to run at start-up"),  # holds the supervisor's packages
+        (plan_dir / "__pycache__", "bytecode cache"),  # its .pyc would be loaded unread
+        (Path(site.getuserbase()) / "lib", "code to run at start-up"),  # a .pth, later
     ]:
         policy = SandboxPolicy(read_write=(writable,))
         with pytest.raises(SandboxError, match=why):
