@@ -36,6 +36,7 @@ __all__ = [
     "peer_credentials",
     "peer_pidfd",
     "pid_namespace",
+    "still_alive",
 ]
 
 _UCRED: Final = struct.Struct("3i")
@@ -121,7 +122,8 @@ def pid_namespace(pid: int | str) -> int:
     return int(link[5:-1])
 
 
-def _still_alive(pidfd: int) -> bool:
+def still_alive(pidfd: int) -> bool:
+    """Whether the process a pidfd pins has not exited (its pid is still its own)."""
     try:
         signal.pidfd_send_signal(pidfd, 0)
     except ProcessLookupError:
@@ -178,7 +180,7 @@ def identify_peer(sock: socket.socket, own_pidns: int) -> Peer:
             group = ("pidns", _sandbox_namespace(creds.pid, pidns, own_pidns))
         # What we read may be another process's if the peer exited and its pid
         # was reused meanwhile; the pidfd names the peer itself.
-        if creds.pidfd is not None and not _still_alive(creds.pidfd):
+        if creds.pidfd is not None and not still_alive(creds.pidfd):
             raise ProcessLookupError("the peer's process exited")
     finally:
         if creds.pidfd is not None:
@@ -203,5 +205,5 @@ def is_in_guest_tree(pid: int, guest_pid: int, pidfd: int | None) -> bool:
     if found and pidfd is not None:
         # The pidfd names the connecting process itself: if it has exited, the
         # pid we just inspected may already belong to someone else.
-        found = _still_alive(pidfd)
+        found = still_alive(pidfd)
     return found

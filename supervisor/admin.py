@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from channel.connections import ChannelConnection, ChannelListener
-from channel.peer import peer_credentials
+from channel.peer import peer_credentials, still_alive
 from channel.wire import is_valid_id, parse_strict_json
 from supervisor.approvals import ProposalNotFound, ProposalNotWaiting
 from supervisor.errors import HostcallError, Refusal
@@ -50,16 +49,6 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
-
-
-def _still_running(pidfd: int) -> bool:
-    try:
-        signal.pidfd_send_signal(pidfd, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def record_json(record: EffectRecord) -> dict[str, Any]:
@@ -184,7 +173,7 @@ class AdminServer:
             if owner is not None:
                 # Guests may run as our uid: without this one could approve itself.
                 return "guests may not use the admin API"
-            if peer.pidfd is not None and not _still_running(peer.pidfd):
+            if peer.pidfd is not None and not still_alive(peer.pidfd):
                 # It exited while we looked: its pid may be someone else's now.
                 return "the peer exited"
         finally:

@@ -100,13 +100,7 @@ class StateDir:
                 # Never follow it: that would chmod, and bind in, someone else's directory.
                 raise UnsafeStateDir(f"{preferred} is a symlink; remove it")
             preferred.mkdir(mode=0o700, exist_ok=True)
-            fd = os.open(preferred, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            try:
-                if os.fstat(fd).st_uid != os.getuid():
-                    raise UnsafeStateDir(f"{preferred} belongs to another user")
-                os.fchmod(fd, 0o700)
-            finally:
-                os.close(fd)
+            _owner_only(preferred)
             return preferred
         # Too long for sun_path: a private short directory instead (SPEC §3).
         base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()

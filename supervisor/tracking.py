@@ -38,6 +38,7 @@ __all__ = [
     "Sampled",
     "TreeTracker",
     "become_subreaper",
+    "descendants",
     "is_subreaper",
     "pid_namespace",
     "process_map",
@@ -338,6 +339,17 @@ def _read(path: str) -> bytes:
         return os.read(fd, 4096)
     finally:
         os.close(fd)
+
+
+def descendants(pid: int, children_of: dict[int, list[int]]) -> list[int]:
+    """Every descendant of ``pid`` in a :func:`process_map` (not ``pid`` itself)."""
+    found: list[int] = []
+    stack = list(children_of.get(pid, ()))
+    while stack:
+        child = stack.pop()
+        found.append(child)
+        stack.extend(children_of.get(child, ()))
+    return found
 
 
 def process_map(snapshot: dict[int, ProcStat] | None = None) -> dict[int, list[int]]:

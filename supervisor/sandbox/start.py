@@ -29,7 +29,7 @@ from supervisor.process import (
 from supervisor.sandbox.bwrap import SandboxLaunch
 from supervisor.sandbox.policy import SandboxError
 from supervisor.spawn import GuestProcess, spawn
-from supervisor.tracking import process_map
+from supervisor.tracking import descendants, process_map
 
 __all__ = [
     "SANDBOX_START_TIMEOUT_S",
@@ -71,14 +71,7 @@ class Sandboxed:
 
     def members(self) -> list[int]:
         """The sandbox's processes but its pid 1, from one pass over ``/proc``."""
-        children_of = process_map()
-        found: list[int] = []
-        stack = list(children_of.get(self.init_pid, ()))
-        while stack:
-            pid = stack.pop()
-            found.append(pid)
-            stack.extend(children_of.get(pid, ()))
-        return found
+        return descendants(self.init_pid, process_map())
 
     async def wait_gone(self, timeout_s: float) -> bool:
         """Wait (bounded) until pid 1, and with it every process inside, has ended.

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from supervisor.limits import EndReason, Limits
-from supervisor.tracking import ProcStat, rss_bytes
+from supervisor.tracking import ProcStat, descendants, rss_bytes
 
 __all__ = ["CgroupCounters", "SandboxTree"]
 
@@ -104,15 +104,6 @@ class SandboxTree:
             self._from_cgroup({}, {}, final=True)
         return self.violation
 
-    def _members(self, children_of: dict[int, list[int]]) -> list[int]:
-        found: list[int] = []
-        stack = list(children_of.get(self.init_pid, ()))
-        while stack:
-            pid = stack.pop()
-            found.append(pid)
-            stack.extend(children_of.get(pid, ()))
-        return found
-
     def _from_cgroup(
         self,
         snapshot: dict[int, ProcStat],
@@ -137,12 +128,12 @@ class SandboxTree:
             self._violated("process_limit")
         self._check_cpu()
         if snapshot:
-            self._check_files(self._members(children_of))
+            self._check_files(descendants(self.init_pid, children_of))
 
     def _from_snapshot(
         self, snapshot: dict[int, ProcStat], children_of: dict[int, list[int]]
     ) -> None:
-        members = self._members(children_of)
+        members = descendants(self.init_pid, children_of)
         rss = 0
         processes = 0
         for pid in members:
@@ -173,7 +164,7 @@ class SandboxTree:
         # reaped; every dead process was reaped by pid 1 or a live member, so
         # the sum over pid 1 and the live members counts each exactly once.
         if members is None:
-            members = self._members(children_of)
+            members = descendants(self.init_pid, children_of)
         total = 0.0
         for pid in [self.init_pid, *members]:
             stat = snapshot.get(pid)
