@@ -26,6 +26,8 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from supervisor.reaper import Reaper
+
 __all__ = ["GuestProcess", "spawn"]
 
 
@@ -49,31 +51,44 @@ class GuestProcess:
         loop = asyncio.get_running_loop()
         self._exited: asyncio.Future[int] = loop.create_future()
         self._loop = loop
+        # Reaped by the process's reaper thread, loop or no loop (see
+        # supervisor.reaper); signalled through a pidfd of our own, so a pid
+        # reused after the reap is never hit.
         try:
-            self._pidfd: int | None = os.pidfd_open(self.pid)
+            pidfd = os.pidfd_open(self.pid)
         except OSError:  # no pidfd (Linux < 5.3): ask on a timer instead
-            self._pidfd = None
+            self._signal_fd: int | None = None
             self._poll = loop.call_later(_POLL_S, self._check)
         else:
-            loop.add_reader(self._pidfd, self._check)
+            self._signal_fd = os.dup(pidfd)
+            Reaper.shared().watch(self.pid, pidfd, self._reaped)
+
+    def _reaped(self, code: int | None) -> None:
+        """On the reaper's thread: hand the exit to the loop (if it still runs)."""
+        code = 255 if code is None else code  # reaped by someone else: code lost
+        self._popen.returncode = code
+        with contextlib.suppress(RuntimeError):  # the loop has closed
+            self._loop.call_soon_threadsafe(self._settle, code)
+
+    def _settle(self, code: int) -> None:
+        self.returncode = code
+        if self._signal_fd is not None:
+            os.close(self._signal_fd)
+            self._signal_fd = None
+        if not self._exited.done():
+            self._exited.set_result(code)
 
     def _check(self) -> None:
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:  # reaped by someone else: the code is lost
             pid, status = self.pid, 255 << 8
-        if pid == 0:  # not yet (a pidfd is readable only once it has exited)
-            if self._pidfd is None:
-                self._poll = self._loop.call_later(_POLL_S, self._check)
+        if pid == 0:
+            self._poll = self._loop.call_later(_POLL_S, self._check)
             return
-        if self._pidfd is not None:
-            self._loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
         code = os.waitstatus_to_exitcode(status)
-        self.returncode = self._popen.returncode = code
-        if not self._exited.done():
-            self._exited.set_result(code)
+        self._popen.returncode = code
+        self._settle(code)
 
     async def wait(self) -> int:
         """Wait until the process itself has exited (not for its pipes to close,
@@ -82,8 +97,12 @@ class GuestProcess:
 
     def send_signal(self, signum: int) -> None:
         """Signal it, unless it has been reaped (its pid may be someone else's)."""
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
+        if self.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, OSError):
+            if self._signal_fd is not None:
+                signal.pidfd_send_signal(self._signal_fd, signum)
+            else:
                 os.kill(self.pid, signum)
 
     def terminate(self) -> None:

@@ -145,6 +145,7 @@ class Supervisor:
         self._channel: ChannelServer | None = None
         self._admin: AdminServer | None = None
         self._launched: set[asyncio.Task[RunOutcome]] = set()
+        self._stopping: set[asyncio.Future[None]] = set()
         self._executor: ThreadPoolExecutor | None = None
         self._cgroups: CgroupHost | None = None
         self.recovered_unknown = 0
@@ -254,6 +255,11 @@ class Supervisor:
             task.cancel()
         if self._launched:
             await asyncio.gather(*self._launched, return_exceptions=True)
+        if self._stopping:
+            # Guests of runs cancelled meanwhile: their stop goes on (bounded).
+            await asyncio.wait(
+                list(self._stopping), timeout=self._stop_grace_s * 3 + STOPPED_SLACK_S
+            )
         for execution in self._executions:
             execution.end()
         await self._tracker.close()
@@ -468,7 +474,12 @@ class Supervisor:
             execution.end()
             if relay_stdin and process.stdin is not None:
                 StdinRelay.shared().detach(process.stdin)
-            await asyncio.shield(guest.stop(self._stop_grace_s))
+            # Shielded, and awaited by aclose() too: a cancelled run still ends
+            # every process of its guest.
+            stopping = asyncio.ensure_future(guest.stop(self._stop_grace_s))
+            self._stopping.add(stopping)
+            stopping.add_done_callback(self._stopping.discard)
+            await asyncio.shield(stopping)
             if pumps:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._stop_grace_s):

@@ -356,3 +356,15 @@ class TreeWatch:
         if self._nsfd is not None:
             os.close(self._nsfd)
             self._nsfd = None
+
+
+def read_line(stream: Any, timeout: float = STEP_TIMEOUT_S) -> Any:
+    """``stream.readline()``, bounded: a reader thread, joined with a timeout (a
+    pipe's buffered reader may hold lines a ``select`` would not see)."""
+    box: list[Any] = []
+    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not box:
+        raise TimeoutError(f"no line within {timeout} s")
+    return box[0]

@@ -15,7 +15,10 @@ Plain ``os`` calls, no policy: the decisions are in :mod:`.layout`.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import os
+import re
 import shutil
 import stat
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,6 +40,8 @@ _MAX_HOPS: Final = 40
 _MAX_SHEBANG_DEPTH: Final = 3
 #: A ``#!`` line longer than this is not a shebang the kernel would honour.
 _SHEBANG_MAX: Final = 256
+#: setuptools' editable finder: ``MAPPING: dict[str, str] = {'pkg': '/src/pkg'}``.
+_MAPPING: Final = re.compile(r"^MAPPING(?:\s*:[^=]*)?\s*=\s*(\{.*?\})\s*$", re.M)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,15 +153,42 @@ def _venv_home(prefix: Path) -> Path | None:
     return None
 
 
+def _python_imports(prefix: Path) -> list[Path]:
+    """Folders a Python installation imports from outside itself: what its
+    site folders' ``.pth`` files name, and the sources of editable installs
+    (setuptools' ``__editable__…_finder.py`` maps packages to folders)."""
+    found: list[Path] = []
+    for site_dir in prefix.glob("lib/python3*/site-packages"):
+        for pth in site_dir.glob("*.pth"):
+            try:
+                lines = pth.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                line = line.strip()
+                if line and not line.startswith(("#", "import ", "import\t")):
+                    found.append(Path(os.path.normpath(site_dir / line)))
+        for finder in site_dir.glob("__editable__*finder.py"):
+            with contextlib.suppress(OSError, ValueError, SyntaxError):
+                source = finder.read_text(errors="replace")
+                match = _MAPPING.search(source)
+                if match is not None:
+                    mapping = ast.literal_eval(match.group(1))
+                    found.extend(Path(p) for p in mapping.values() if isinstance(p, str))
+    return [p for p in found if p.is_absolute() and os.path.isdir(p)]
+
+
 def command_paths(argv: Sequence[str], env: Mapping[str, str], cwd: Path) -> list[Path]:
     """The host paths the guest's command resolves through (SPEC §13).
 
     The executable (``PATH`` lookup in the guest's own environment), each
     symlink hop, the installation prefix of every resolved executable, the
     interpreter of a ``#!`` script (``/usr/bin/env X`` looked up on ``PATH``),
-    the Python a virtual environment was created from, and every argument that
-    names an existing file or folder (absolute, or relative to ``cwd``). Each
-    path is returned once, absolute; the caller decides what to expose.
+    the Python a virtual environment was created from and the folders it
+    imports from outside itself (editable installs, ``.pth`` files), the
+    guest's ``PYTHONPATH``, and every argument that names an existing file or
+    folder (absolute, or relative to ``cwd``). Each path is returned once,
+    absolute; the caller decides what to expose.
     """
     found: dict[Path, None] = {}
 
@@ -167,6 +199,8 @@ def command_paths(argv: Sequence[str], env: Mapping[str, str], cwd: Path) -> lis
             found.setdefault(prefix, None)
             home = _venv_home(prefix)
             if home is not None:
+                for imported in _python_imports(prefix):
+                    found.setdefault(imported, None)
                 for real in _symlink_hops(home):
                     found.setdefault(_prefix(real / "python"), None)
         if depth >= _MAX_SHEBANG_DEPTH:
@@ -185,6 +219,9 @@ def command_paths(argv: Sequence[str], env: Mapping[str, str], cwd: Path) -> lis
     program = _which(argv[0], env, cwd) if argv else None
     if program is not None:
         executable(program, 0)
+    for entry in env.get("PYTHONPATH", "").split(os.pathsep):
+        if os.path.isabs(entry) and os.path.isdir(entry):
+            found.setdefault(Path(os.path.normpath(entry)), None)
     for argument in argv[1:]:
         if not argument or argument.startswith("-") or "\0" in argument:
             continue

@@ -26,6 +26,7 @@ from supervisor.process import (
     credential_fd,
     wait_exited,
 )
+from supervisor.reaper import Reaper
 from supervisor.sandbox.bwrap import SandboxLaunch
 from supervisor.sandbox.policy import SandboxError
 from supervisor.spawn import GuestProcess, spawn
@@ -59,7 +60,6 @@ class Sandboxed:
     #: reused as soon as it is freed, and another sandbox must not get this
     #: one's while the channel still accepts it.
     nsfd: int | None = field(default=None, repr=False)
-    _reaped: bool = field(default=False, repr=False)
 
     def signal(self, signum: int) -> None:
         """Signal pid 1; SIGKILL ends every process of the sandbox at once."""
@@ -97,52 +97,19 @@ class Sandboxed:
                 gone = False
             finally:
                 loop.remove_reader(self.pidfd)
-        if gone:
-            self._reaped = _reap(self.init_pid)
         return gone
 
     def close(self) -> None:
         """Release the pidfd and the namespace. Idempotent.
 
-        A pid 1 not yet reaped (it became our child when bubblewrap's monitor
-        ended first, and is still dying) is reaped as soon as it exits, so no
-        zombie is left behind.
+        (pid 1 itself is the reaper's: it becomes our child when bubblewrap's
+        monitor ends first, and is reaped when it exits, whenever that is.)
         """
-        if self.pidfd is not None:
-            pidfd, self.pidfd = self.pidfd, None
-            if self._reaped:
-                os.close(pidfd)
-            else:
-                _reap_when_exited(self.init_pid, pidfd)
-        if self.nsfd is not None:
-            nsfd, self.nsfd = self.nsfd, None
-            os.close(nsfd)
-
-
-def _reap(pid: int) -> bool:
-    """Reap ``pid`` if it is an exited child of ours; True unless it is one still running."""
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return True  # not ours (its own parent reaps it), or reaped already
-    return done == pid
-
-
-def _reap_when_exited(pid: int, pidfd: int) -> None:
-    """Reap ``pid`` once its pidfd says it has exited; takes the pidfd."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        _reap(pid)
-        os.close(pidfd)
-        return
-
-    def exited() -> None:
-        loop.remove_reader(pidfd)
-        _reap(pid)
-        os.close(pidfd)
-
-    loop.add_reader(pidfd, exited)
+        for name in ("pidfd", "nsfd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                setattr(self, name, None)
+                os.close(fd)
 
 
 async def launch_sandboxed(
@@ -318,6 +285,10 @@ def _sandbox_from(info: bytes) -> Sandboxed:
         if pidfd is not None:
             os.close(pidfd)
         raise SandboxError("the sandbox's pid 1 is not the process bubblewrap reported")
+    if pidfd is not None:
+        # If its monitor ends first, pid 1 becomes our child (we are a
+        # subreaper): the reaper then reaps it, loop or no loop.
+        Reaper.shared().watch(init_pid, os.dup(pidfd))
     return Sandboxed(init_pid, pidns, pidfd, nsfd)
 
 

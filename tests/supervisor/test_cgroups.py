@@ -22,6 +22,7 @@ import pytest
 
 from supervisor import cgroups
 from supervisor.cgroups import CgroupError, CgroupHost, ExecutionCgroup
+from tests.harness import read_line
 
 REPO = Path(__file__).resolve().parents[2]
 #: A bound for every child and every wait on the kernel in these tests.
@@ -337,7 +338,7 @@ def test_a_supervisor_killed_with_sigkill_leaves_a_base_the_next_host_clears(
         text=True,
     )
     assert supervisor.stdout is not None
-    left = json.loads(supervisor.stdout.readline())
+    left = json.loads(read_line(supervisor.stdout))
     sleeper = psutil.Process(left["sleeper"])
     try:
         supervisor.kill()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import STEP_TIMEOUT_S, TreeWatch
+from tests.harness import STEP_TIMEOUT_S, TreeWatch, read_line
 
 GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
 TOOLS = """
@@ -113,7 +113,7 @@ def test_a_timeout_exits_124_and_ends_the_whole_tree_including_a_setsid_grandchi
     extra = ("--timeout", "2", *(() if sandbox else ("--no-sandbox",)))
     with start_tree(tmp_path / "st", plan_file, *extra) as hostcall_process:
         assert hostcall_process.stdout is not None
-        watch = TreeWatch(json.loads(hostcall_process.stdout.readline()), sandboxed=sandbox)
+        watch = TreeWatch(json.loads(read_line(hostcall_process.stdout)), sandboxed=sandbox)
         try:
             _, stderr = hostcall_process.communicate(timeout=STEP_TIMEOUT_S)
             assert hostcall_process.returncode == 124
@@ -239,7 +239,7 @@ def test_a_second_supervisor_on_a_busy_state_dir_refuses_naming_the_holder(
     ) as first:
         try:
             assert first.stdout is not None and first.stdin is not None
-            assert first.stdout.readline().strip() == "ready"
+            assert read_line(first.stdout).strip() == "ready"
             second = run_guest(state, plan_file, "exit", "0")
             first.stdin.close()
             assert first.wait(timeout=STEP_TIMEOUT_S) == 0
@@ -292,9 +292,9 @@ def test_sigterm_to_hostcall_stops_the_guest_tree_and_exits_128_plus_15(
     extra = () if sandbox else ("--no-sandbox",)
     with start_tree(tmp_path / "st", plan_file, *extra) as hostcall_process:
         assert hostcall_process.stdout is not None
-        watch = TreeWatch(json.loads(hostcall_process.stdout.readline()), sandboxed=sandbox)
+        watch = TreeWatch(json.loads(read_line(hostcall_process.stdout)), sandboxed=sandbox)
         try:
-            assert hostcall_process.stdout.readline().strip() == "ready"
+            assert read_line(hostcall_process.stdout).strip() == "ready"
             hostcall_process.send_signal(signal.SIGTERM)
             assert hostcall_process.wait(timeout=STEP_TIMEOUT_S) == 128 + signal.SIGTERM
             assert watch.alive() == []
@@ -380,7 +380,7 @@ def test_serve_launches_guests_through_the_admin_api_until_sigterm(
     ) as server:
         try:
             assert server.stderr is not None
-            banner = server.stderr.readline()  # printed once both sockets listen
+            banner = read_line(server.stderr)  # printed once both sockets listen
             assert banner.startswith("hostcall serve: plan cli")
             client = AdminClient(state)
             launched = client.request(
@@ -394,8 +394,8 @@ def test_serve_launches_guests_through_the_admin_api_until_sigterm(
             assert launched["invocation_id"] == "inv_srv"
             assert server.stdout is not None
             # The served guest's output passes through to hostcall serve's own.
-            assert json.loads(server.stdout.readline())["pid"] > 0
-            assert json.loads(server.stdout.readline()) == {"call_id": "c1", "result": "served"}
+            assert json.loads(read_line(server.stdout))["pid"] > 0
+            assert json.loads(read_line(server.stdout)) == {"call_id": "c1", "result": "served"}
             records = client.request("GET", "/v1/invocations/inv_srv/calls")
             server.send_signal(signal.SIGTERM)
             assert server.wait(timeout=STEP_TIMEOUT_S) == 128 + signal.SIGTERM

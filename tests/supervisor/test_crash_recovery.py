@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import STEP_TIMEOUT_S
+from tests.harness import STEP_TIMEOUT_S, read_line
 
 GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
 TOOLS = """
@@ -111,8 +111,8 @@ def test_after_kill_9_mid_handler_a_resumed_invocation_replays_commits_and_repor
             start_new_session=True,
         ) as first:
             assert first.stdout is not None
-            guest_pid = json.loads(first.stdout.readline())["pid"]
-            committed = json.loads(first.stdout.readline())
+            guest_pid = json.loads(read_line(first.stdout))["pid"]
+            committed = json.loads(read_line(first.stdout))
             connection, _ = listener.accept()  # the hang handler is running now
             connection.close()
             os.kill(first.pid, signal.SIGKILL)

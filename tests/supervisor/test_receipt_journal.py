@@ -34,7 +34,7 @@ from supervisor.receipts import (
     verify_chain,
 )
 from supervisor.stores import SQLiteEffectStore, StartCall
-from tests.harness import STEP_TIMEOUT_S, wait_until
+from tests.harness import STEP_TIMEOUT_S, read_line, wait_until
 
 GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
 
@@ -290,7 +290,7 @@ def test_hostcall_run_killed_after_a_commit_has_its_executed_receipt_after_resum
         start_new_session=True,
     ) as first:
         assert first.stdout is not None
-        guest_pid = json.loads(first.stdout.readline())["pid"]
+        guest_pid = json.loads(read_line(first.stdout))["pid"]
         assert first.wait(timeout=STEP_TIMEOUT_S) == -signal.SIGKILL
         with contextlib.suppress(ProcessLookupError):
             os.kill(guest_pid, signal.SIGKILL)  # the orphaned guest of the dead run

@@ -26,7 +26,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from tests.harness import STEP_TIMEOUT_S
+from tests.harness import STEP_TIMEOUT_S, read_line
 from tests.postgres_support import run_async, with_options
 
 pytestmark = pytest.mark.postgres
@@ -255,7 +255,7 @@ def test_kill_9_of_a_replica_mid_call_leaves_the_call_unknown_after_its_lease_fo
     a = cluster.start("a", [hang], store=store)
     with running(a):
         assert a.stdout is not None
-        guest_a = json.loads(a.stdout.readline())["pid"]
+        guest_a = json.loads(read_line(a.stdout))["pid"]
         connection, said = cluster.accept()  # a's handler is running now
         assert said == "hang"
         owner = (cluster.state("a") / "replica-id").read_text().strip()
@@ -308,7 +308,7 @@ def test_a_replica_restarted_on_its_state_dir_answers_unknown_at_once_without_it
     a = cluster.start("a", [hang], store=store)
     with running(a):
         assert a.stdout is not None
-        guest_a = json.loads(a.stdout.readline())["pid"]
+        guest_a = json.loads(read_line(a.stdout))["pid"]
         connection, _ = cluster.accept()
         os.kill(a.pid, signal.SIGKILL)
         a.wait(timeout=STEP_TIMEOUT_S)

@@ -1,0 +1,98 @@
+"""Reaping the supervisor's children, whatever happens to the event loop.
+
+A guest's first process (bubblewrap's monitor, or the guest itself without a
+sandbox) is our child, and so, as a subreaper, is a sandbox's pid 1 once its
+monitor has ended. A child that exits is a zombie until someone waits for
+it. An event loop's reader on a pidfd would do that only while the loop
+runs; a supervisor closed in the middle of a stop (a cancelled run, a test's
+loop) would leave zombies behind for the life of the process.
+
+So one daemon thread of the process waits for all of them: it polls their
+pidfds, reaps each as it exits, and calls back (the caller hands the result
+to its loop). It never waits for a pid it was not given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import threading
+from collections.abc import Callable
+from typing import ClassVar, Final
+
+__all__ = ["Reaper"]
+
+#: How long the thread sleeps when it has nothing to watch but its wake pipe.
+_IDLE_POLL_MS: Final = 60_000
+
+
+class Reaper:
+    """One thread that reaps the children it is told about (see the module docstring)."""
+
+    _instance: ClassVar[Reaper | None] = None
+    _created = threading.Lock()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: pidfd -> (pid, callback with the wait status, or None if not ours)
+        self._watched: dict[int, tuple[int, Callable[[int | None], None] | None]] = {}
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._thread = threading.Thread(target=self._run, name="hostcall-reaper", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def shared(cls) -> Reaper:
+        """The process's reaper."""
+        with cls._created:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def watch(
+        self, pid: int, pidfd: int, on_exit: Callable[[int | None], None] | None = None
+    ) -> None:
+        """Reap the process ``pidfd`` (which the reaper now owns) pins when it
+        exits; then ``on_exit(returncode)`` on the reaper's thread — ``-N`` for
+        signal N as ``subprocess`` says it, ``None`` if it was not our child to
+        reap (its own parent did). ``pid`` only names it in errors: the wait
+        is by pidfd, so a pid reused meanwhile is never waited for."""
+        with self._lock:
+            self._watched[pidfd] = (pid, on_exit)
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        poller = select.poll()
+        registered: set[int] = set()
+        poller.register(self._wake_r, select.POLLIN)
+        while True:
+            with self._lock:
+                current = set(self._watched)
+            for fd in current - registered:
+                poller.register(fd, select.POLLIN)
+            registered = current
+            for fd, _ in poller.poll(_IDLE_POLL_MS):
+                if fd == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                    continue
+                self._exited(fd)
+                poller.unregister(fd)
+                registered.discard(fd)
+
+    def _exited(self, pidfd: int) -> None:
+        with self._lock:
+            _pid, on_exit = self._watched.pop(pidfd)
+        returncode: int | None = None
+        try:
+            # A pidfd is readable once its process has exited: this does not block.
+            info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+        except ChildProcessError:
+            info = None  # not ours (its own parent reaps it), or reaped already
+        if info is not None:
+            exited = info.si_code == os.CLD_EXITED
+            returncode = info.si_status if exited else -info.si_status
+        os.close(pidfd)
+        if on_exit is not None:
+            on_exit(returncode)
