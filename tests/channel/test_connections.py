@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import resource
 import sys
@@ -536,6 +537,9 @@ async def test_a_connection_queued_while_the_process_is_out_of_descriptors_is_se
         during = await established.request(execution)
         queued = await clients.open(server.channel)  # waits in the backlog
         queued.send(encode_request(execution))
+        # The server must have tried (and failed) to accept it before the
+        # descriptors come back, or there is no starvation to see.
+        starved = await server.command("starved")
         await server.command("free")
         served = await queued.response()
         pong = await server.ping_admin()
@@ -543,6 +547,7 @@ async def test_a_connection_queued_while_the_process_is_out_of_descriptors_is_se
 
     assert hogged["hogged"] > 0
     assert during.status == 200
+    assert starved == {"starved": True}
     assert served.status == 200
     assert pong == b"pong\n"
     # One warning for the whole time it could not accept, not one per attempt.
@@ -593,11 +598,28 @@ async def _pong(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     writer.close()
 
 
+class _OnMessage(logging.Handler):
+    """Calls ``then`` when a record's message contains ``text``."""
+
+    def __init__(self, text: str, then: Callable[[], None]) -> None:
+        super().__init__()
+        self._text = text
+        self._then = then
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._text in record.getMessage():
+            self._then()
+
+
 async def serve(socket_dir: Path, nofile: int | None, per_group: int) -> None:
     """Serve a channel and an admin stand-in until stdin ends; obey commands.
 
-    ``hog``: open descriptors until there is none left; ``free``: close them.
+    ``hog``: open descriptors until there is none left; ``free``: close them;
+    ``starved``: wait until the channel has logged that it cannot accept.
     """
+    starved = asyncio.Event()
+    logging.basicConfig(level=logging.WARNING)  # to stderr, which the test reads
+    logging.getLogger("channel").addHandler(_OnMessage("cannot accept connections", starved.set))
     if nofile is not None:
         _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
@@ -619,6 +641,10 @@ async def serve(socket_dir: Path, nofile: int | None, per_group: int) -> None:
                 while True:
                     hogged.append(os.open("/dev/null", os.O_RDONLY))
             answer = {"hogged": len(hogged)}
+        elif command == "starved":
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                await starved.wait()
+            answer = {"starved": True}
         else:
             answer = {"freed": len(hogged)}
             for fd in hogged:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -14,8 +15,9 @@ import pytest
 from supervisor import Supervisor
 from supervisor.executions import Execution
 from supervisor.limits import Limits
+from supervisor.reaper import Reaper
 from supervisor.sandbox import SandboxPolicy
-from tests.harness import STEP_TIMEOUT_S, Ledger, TreeWatch, billing_plan
+from tests.harness import STEP_TIMEOUT_S, Ledger, TreeWatch, billing_plan, wait_until
 
 #: A guest that starts a child in its group, a setsid'd grandchild, and a
 #: double-forked daemon (its parent exits at once), prints their pids and its
@@ -313,6 +315,7 @@ async def test_a_hundred_concurrent_guests_are_all_served_and_nothing_leaks(
 ) -> None:
     plan = billing_plan(ledger)
     receipts = tmp_path / "s" / "receipts"
+    Reaper.shared()  # made once per process, with its wake pipe, and kept
     fds_outside = _open_fds()
     async with Supervisor(tmp_path / "s", plan=plan) as sup:
         await asyncio.sleep(0)  # let start-up settle before counting fds
@@ -321,6 +324,11 @@ async def test_a_hundred_concurrent_guests_are_all_served_and_nothing_leaks(
             outcomes = await asyncio.gather(
                 *(sup.run(plan, [sys.executable, "-c", CALLER, str(n)]) for n in range(100))
             )
+        # A guest's channel connection (its socket, the peer's pidfd) is
+        # closed when the loop reads its EOF, which may come just after its
+        # run returned: wait for that (bounded); a leak stays and fails below.
+        with contextlib.suppress(TimeoutError):
+            await wait_until(lambda: _open_fds(receipts) == fds_before, "descriptors settle")
         fds_after = _open_fds(receipts)
         records = [await sup.store.calls(o.invocation_id) for o in outcomes]
     # Closed, it holds nothing at all: no receipt file either.
