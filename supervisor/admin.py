@@ -8,9 +8,14 @@ Every answer is JSON (``/metrics`` excepted); errors are
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
+import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -20,12 +25,14 @@ from aiohttp import web
 from channel.connections import ChannelConnection, ChannelListener
 from channel.peer import peer_credentials, still_alive
 from channel.wire import is_valid_id, parse_strict_json
+from supervisor.activity import notice_json
 from supervisor.approvals import ProposalNotFound, ProposalNotWaiting
 from supervisor.errors import HostcallError, Refusal
 from supervisor.metrics import CONTENT_TYPE
 from supervisor.receipts import utc_timestamp
 from supervisor.sockets import reachable_path
-from supervisor.stores.base import EffectRecord
+from supervisor.stores.base import EffectRecord, InvocationRecord, budget_left
+from supervisor.views import calls_from_receipts, log_tails, verify_receipts
 
 if TYPE_CHECKING:
     from supervisor.supervisor import Supervisor
@@ -43,6 +50,12 @@ MAX_CONNECTIONS: Final = 64
 #: An admin connection that sends no whole request this long is closed.
 IDLE_TIMEOUT_S: Final = 30.0
 LISTEN_BACKLOG: Final = 128
+#: An event stream sends one batch of notices at most this often …
+EVENT_BATCH_S: Final = 0.25
+#: … and a keep-alive comment after this long without one.
+KEEPALIVE_S: Final = 15.0
+#: Most log lines ``GET /v1/invocations/{id}/logs`` returns per stream.
+MAX_LOG_TAIL: Final = 2000
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -74,6 +87,7 @@ class AdminServer:
         self.path = path
         self._runner: web.AppRunner | None = None
         self._listener: ChannelListener | None = None
+        self._closing = asyncio.Event()
 
     async def start(self) -> None:
         """Bind ``path`` (any length) with mode 0600 and serve."""
@@ -89,6 +103,13 @@ class AdminServer:
             web.post("/v1/approvals/{proposal_id}/approve", self._approve),
             web.post("/v1/approvals/{proposal_id}/reject", self._reject),
             web.get("/metrics", self._metrics),
+            # For the operator's console (docs/console.md), and anyone else.
+            web.get("/v1/events", self._events),
+            web.get("/v1/stats", self._stats),
+            web.get("/v1/invocations/{invocation_id}", self._invocation),
+            web.get("/v1/invocations/{invocation_id}/activity", self._activity),
+            web.get("/v1/invocations/{invocation_id}/logs", self._logs),
+            web.get("/v1/invocations/{invocation_id}/receipts", self._receipts),
         ]
         app.router.add_routes(routes)
         runner = web.AppRunner(
@@ -122,6 +143,7 @@ class AdminServer:
 
     async def close(self) -> None:
         """Stop serving and remove the socket."""
+        self._closing.set()  # event streams end
         if self._listener is not None:
             listener, self._listener = self._listener, None
             listener.close()
@@ -221,24 +243,43 @@ class AdminServer:
     # -- invocations, calls, executions ------------------------------------
 
     async def _invocations(self, request: web.Request) -> web.Response:
-        answer = []
-        for record in await self._sup.store.list_invocations():
-            answer.append(
-                {
-                    "invocation_id": record.invocation_id,
-                    "plan_hash": record.plan_hash,
-                    "created_at": utc_timestamp(record.created_at),
-                    "deadline_at": (
-                        utc_timestamp(record.deadline_at) if record.deadline_at else None
-                    ),
-                    "calls_used": record.used.calls,
-                    "cost_used": record.used.cost,
-                    "executions": [
-                        e.describe() for e in self._sup.executions(record.invocation_id)
-                    ],
-                }
-            )
-        return web.json_response(answer)
+        records = await self._sup.store.list_invocations()
+        return web.json_response([self._invocation_json(r) for r in records])
+
+    async def _invocation(self, request: web.Request) -> web.Response:
+        record = await self._known_invocation(request)
+        return web.json_response(self._invocation_json(record))
+
+    async def _known_invocation(self, request: web.Request) -> InvocationRecord:
+        invocation_id = request.match_info["invocation_id"]
+        record = await self._sup.store.get_invocation(invocation_id)
+        if record is None:
+            raise KeyError(f"no invocation {invocation_id}")
+        return record
+
+    def _invocation_json(self, record: InvocationRecord) -> dict[str, Any]:
+        executions = self._sup.executions(record.invocation_id)
+        plan = self._sup.plan_for(record.plan_hash)
+        calls: collections.Counter[str] = collections.Counter()
+        for execution in executions:
+            calls.update(execution.calls())
+        return {
+            "invocation_id": record.invocation_id,
+            "plan_hash": record.plan_hash,
+            "plan_name": plan.name if plan is not None else None,
+            "state": "running" if any(e.live for e in executions) else "idle",
+            "created_at": utc_timestamp(record.created_at),
+            "deadline_at": (utc_timestamp(record.deadline_at) if record.deadline_at else None),
+            "calls_used": record.used.calls,
+            "cost_used": record.used.cost,
+            "budget": (
+                budget_left(plan.budget, record.used, record.deadline_at)
+                if plan is not None
+                else None
+            ),
+            "calls_by_outcome": dict(calls),
+            "executions": [e.describe() for e in executions],
+        }
 
     async def _calls(self, request: web.Request) -> web.Response:
         invocation_id = request.match_info["invocation_id"]
@@ -293,6 +334,79 @@ class AdminServer:
         except OSError as exc:
             raise Refusal("bad_request", f"cannot start {argv[0]!r}: {exc.strerror}") from None
         return web.json_response(execution.describe(), status=201)
+
+    async def _activity(self, request: web.Request) -> web.Response:
+        """The invocation's recent calls with their arguments (this supervisor's
+        memory), or, when it holds none, what its receipts say (no arguments)."""
+        record = await self._known_invocation(request)
+        kept = self._sup.activity.journal.calls(record.invocation_id)
+        if kept is not None:
+            return web.json_response({"source": "journal", "calls": [e.to_json() for e in kept]})
+        path = self._sup.state.receipts_dir / f"{record.invocation_id}.jsonl"
+        calls = await asyncio.to_thread(calls_from_receipts, path)
+        return web.json_response({"source": "receipts", "calls": calls})
+
+    async def _logs(self, request: web.Request) -> web.Response:
+        record = await self._known_invocation(request)
+        try:
+            tail = int(request.query.get("tail", "200"))
+        except ValueError:
+            raise Refusal("bad_request", "tail must be a number of lines") from None
+        tail = max(1, min(tail, MAX_LOG_TAIL))
+        folder = self._sup.state.logs_dir / record.invocation_id
+        ids = [e.execution_id for e in self._sup.executions(record.invocation_id)]
+        logs = await asyncio.to_thread(log_tails, folder, ids, tail)
+        return web.json_response({"invocation_id": record.invocation_id, "logs": logs})
+
+    async def _receipts(self, request: web.Request) -> web.Response:
+        record = await self._known_invocation(request)
+        path = self._sup.state.receipts_dir / f"{record.invocation_id}.jsonl"
+        report = await asyncio.to_thread(verify_receipts, path, self._sup.state.path)
+        return web.json_response(report)
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "now": utc_timestamp(time.time()),
+                "calls_by_outcome": self._sup.metrics.calls_by_outcome(),
+                "in_flight": self._sup.metrics.in_flight_now(),
+                "proposals_waiting": self._sup.approvals.waiting(),
+            }
+        )
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        """Change notices as Server-Sent Events: ``data: {"topic", "invocation_id"}``.
+
+        Coalesced (see :mod:`supervisor.activity`) and sent at most every
+        :data:`EVENT_BATCH_S`; a comment line every :data:`KEEPALIVE_S` while
+        nothing changes. Ends when the supervisor closes.
+        """
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store"}
+        )
+        await response.prepare(request)
+        with (
+            self._sup.activity.events.subscribe() as subscription,
+            contextlib.suppress(
+                ConnectionError  # the reader left
+            ),
+        ):
+            await response.write(b"event: hello\ndata: {}\n\n")
+            while not self._closing.is_set():
+                notices = await subscription.next(KEEPALIVE_S)
+                if self._closing.is_set():
+                    break
+                if not notices:
+                    await response.write(b": keepalive\n\n")
+                    continue
+                chunk = b"".join(
+                    b"data: " + json.dumps(notice_json(n)).encode() + b"\n\n" for n in notices
+                )
+                await response.write(chunk)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(EVENT_BATCH_S):
+                        await self._closing.wait()
+        return response
 
     async def _metrics(self, request: web.Request) -> web.Response:
         response = web.Response(body=self._sup.metrics.render())

@@ -1,17 +1,20 @@
-"""A small synchronous client of the admin socket, for the CLI."""
+"""Small clients of the admin socket: a synchronous one for the CLI, an
+asynchronous one for the console (which also follows ``GET /v1/events``)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
 from supervisor.errors import HostcallError
 from supervisor.sockets import reachable_path
 
-__all__ = ["AdminClient", "AdminError", "SupervisorNotRunning"]
+__all__ = ["AdminClient", "AdminError", "AsyncAdminClient", "SupervisorNotRunning"]
 
 #: Bound on one admin request (a launch waits for the guest to start).
 REQUEST_TIMEOUT_S: Final = 60.0
@@ -78,10 +81,105 @@ class AdminClient:
             return data.decode()
         decoded = json.loads(data)
         if response.status >= 400:
-            error = decoded.get("error", {}) if isinstance(decoded, dict) else {}
-            raise AdminError(
-                response.status,
-                str(error.get("code", "error")),
-                str(error.get("message", f"HTTP {response.status}")),
-            )
+            raise _error_of(response.status, decoded)
         return decoded
+
+
+def _error_of(status: int, decoded: Any) -> AdminError:
+    error = decoded.get("error", {}) if isinstance(decoded, dict) else {}
+    return AdminError(
+        status,
+        str(error.get("code", "error")),
+        str(error.get("message", f"HTTP {status}")),
+    )
+
+
+#: The longest answer :class:`AsyncAdminClient` reads.
+MAX_ANSWER: Final = 64 * 2**20
+
+
+class AsyncAdminClient:
+    """Talks to ``<state_dir>/admin.sock`` from an event loop.
+
+    Each request is HTTP/1.0 on a connection of its own: the answer ends
+    where the connection does, and an event stream needs no chunk decoding.
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / "admin.sock"
+
+    async def _open(
+        self, method: str, path: str, body: dict[str, Any] | None
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with reachable_path(self.path) as connectable:
+                sock.connect(connectable)  # a local socket: at once, or refused
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise SupervisorNotRunning(
+                f"no supervisor is running on {self.path.parent} ({exc.strerror})"
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=2**20)
+        try:
+            payload = json.dumps(body).encode() if body is not None else b""
+            head = f"{method} {path} HTTP/1.0\r\nHost: hostcall-admin\r\n"
+            if body is not None:
+                head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+            writer.write(head.encode("ascii") + b"\r\n" + payload)
+            await writer.drain()
+            status_line = await reader.readline()
+            parts = status_line.split(b" ", 2)
+            if len(parts) < 2 or not parts[1].isdigit():
+                raise AdminError(502, "bad_answer", "the admin socket did not answer HTTP")
+            while (await reader.readline()).strip():  # the headers: not needed
+                pass
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer, int(parts[1])
+
+    async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """One request; returns the decoded JSON (or text for ``/metrics``).
+
+        Raises:
+            SupervisorNotRunning: nothing listens on the socket.
+            AdminError: the API answered with an error.
+        """
+        reader, writer, status = await self._open(method, path, body)
+        try:
+            data = await reader.read(MAX_ANSWER)
+        finally:
+            writer.close()
+        try:
+            decoded = json.loads(data)
+        except ValueError:
+            if status >= 400:
+                raise AdminError(status, "error", data.decode(errors="replace")) from None
+            return data.decode(errors="replace")
+        if status >= 400:
+            raise _error_of(status, decoded)
+        return decoded
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """``GET /v1/events``: each notice as it comes, until the supervisor
+        closes the stream.
+
+        Raises:
+            SupervisorNotRunning: nothing listens on the socket.
+            AdminError: the API refused the stream.
+        """
+        reader, writer, status = await self._open("GET", "/v1/events", None)
+        try:
+            if status >= 400:
+                raise AdminError(status, "error", "the admin API refused the event stream")
+            while line := await reader.readline():
+                if line.startswith(b"data: ") and line.strip() != b"data: {}":
+                    notice = json.loads(line[6:])
+                    if isinstance(notice, dict):
+                        yield notice
+        finally:
+            writer.close()

@@ -85,6 +85,8 @@ class ProposalRequest:
     args: dict[str, Any]
     idempotency_key: str
     timeout_s: float
+    #: The tool's tag, for the operator who decides (reversible, costly, irreversible).
+    reversibility: str = "irreversible"
 
 
 @dataclass(eq=False)
@@ -100,6 +102,7 @@ class Proposal:
     idempotency_key: str
     created_at: float
     expires_at: float
+    reversibility: str = "irreversible"
     state: ProposalState = "waiting"
     decided_at: float | None = None
     decided_by: str | None = None
@@ -153,6 +156,7 @@ class Proposal:
             "tool": self.tool,
             "args": self.args,
             "idempotency_key": self.idempotency_key,
+            "reversibility": self.reversibility,
             "created_at": utc_timestamp(self.created_at),
             "expires_at": utc_timestamp(self.expires_at),
             "decided_at": utc_timestamp(self.decided_at) if self.decided_at else None,
@@ -215,6 +219,7 @@ class ApprovalController:
             idempotency_key=request.idempotency_key,
             created_at=now,
             expires_at=now + request.timeout_s,
+            reversibility=request.reversibility,
             _clock=self._clock,
         )
         self._proposals[proposal.id] = proposal

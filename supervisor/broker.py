@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import time
 from collections import Counter
@@ -21,15 +22,23 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ValidationError
 
 from channel.wire import CallReply
+from supervisor.activity import MAX_ARGS_BYTES, Activity, CallEntry
 from supervisor.approvals import ApprovalGate, ApprovalTicket, ProposalRequest
-from supervisor.canonical import idempotency_key, jcs, sha256_hex
+from supervisor.canonical import idempotency_key_sized, jcs, sha256_hex
 from supervisor.errors import Refusal, StoreUnavailable
 from supervisor.faults import crash_point
 from supervisor.metrics import Metrics
 from supervisor.plan import Plan
 from supervisor.receipts import Receipts, make_receipt
 from supervisor.replay import Replay, decide_replay
-from supervisor.stores.base import Charge, EffectRecord, EffectStatus, EffectStore, StartCall
+from supervisor.stores.base import (
+    Charge,
+    EffectRecord,
+    EffectStatus,
+    EffectStore,
+    StartCall,
+    budget_left,
+)
 from supervisor.tools import Tool
 
 __all__ = ["Broker"]
@@ -91,6 +100,8 @@ class Broker:
     deadline_at: float | None = None
     executor: Executor | None = None
     metrics: Metrics | None = None
+    #: Where the operator's console learns of each call (``None``: nobody asks).
+    activity: Activity | None = None
     clock: Callable[[], float] = time.time
     #: Calls of this execution by receipt outcome (executed, replayed, …).
     outcomes: Counter[str] = field(default_factory=Counter)
@@ -104,10 +115,12 @@ class Broker:
         started_at = self.clock()
         resolved: Tool | None = None
         key: str | None = None
+        canonical: dict[str, Any] | None = None
+        size = 0
         try:
             resolved = self._lookup(tool)
             model, canonical = resolved.canonicalize(args)
-            key = _key_of(resolved.name, canonical)
+            key, size = _key_of(resolved.name, canonical)
             outcome = await self._run(_Call(call_id, resolved, model, canonical, key, started_at))
         except Refusal as refusal:
             outcome = _Outcome(
@@ -133,6 +146,26 @@ class Broker:
             # A name the guest made up is not a label: labels must stay few.
             label = tool if tool in self.plan.tools else NOT_IN_PLAN
             self.metrics.observe(label, outcome.receipt_outcome, self.clock() - started_at)
+        if self.activity is not None:
+            reply = outcome.reply
+            error = reply.error
+            entry = CallEntry(
+                self.execution_id,
+                call_id,
+                tool,
+                args if canonical is None else canonical,
+                size or _size_of(args),
+                reply.status,
+                outcome.receipt_outcome,
+                reply.effect,
+                str(error["code"]) if error is not None else reply.reason,
+                key,
+                receipt_id,
+                outcome.approval_id,
+                started_at,
+                self.clock(),
+            )
+            self.activity.call_finished(self.invocation_id, entry)
         if outcome.reply.status in ("ok", "error") and outcome.reply.effect != "failed":
             # The reply carries this request's own receipt, replayed or not.
             return outcome.reply.with_receipt(receipt_id)
@@ -169,10 +202,6 @@ class Broker:
     async def plan_view(self) -> dict[str, Any]:
         """The plan as the guest sees it, with the budget left (SPEC §4.2)."""
         record = await self.store.get_invocation(self.invocation_id)
-        budget = self.plan.budget
-        used = record.used if record is not None else None
-        calls = used.calls if used is not None else 0
-        cost = used.cost if used is not None else 0.0
         return {
             "plan_hash": self.plan.plan_hash,
             "name": self.plan.name,
@@ -181,15 +210,9 @@ class Broker:
                 for name, t in sorted(self.plan.tools.items())
                 if name not in self.revoked
             ],
-            "budget": {
-                "max_calls": budget.max_calls,
-                "calls_left": None
-                if budget.max_calls is None
-                else max(0, budget.max_calls - calls),
-                "max_cost": budget.max_cost,
-                "cost_left": None if budget.max_cost is None else max(0.0, budget.max_cost - cost),
-                "deadline_at": self.deadline_at,
-            },
+            "budget": budget_left(
+                self.plan.budget, record.used if record is not None else None, self.deadline_at
+            ),
         }
 
     # -- the pipeline ---------------------------------------------------------
@@ -359,6 +382,7 @@ class Broker:
                     call.args,
                     call.key,
                     self.plan.approval_timeout_s,
+                    call.tool.reversibility,
                 )
             )
         finally:
@@ -500,9 +524,10 @@ def _target_refusal(call: _Call) -> Refusal | None:
     return Refusal("target_required", f"{tool.name} needs one of {list(tool.target_args)}")
 
 
-def _key_of(tool: str, canonical_args: dict[str, Any]) -> str:
+def _key_of(tool: str, canonical_args: dict[str, Any]) -> tuple[str, int]:
+    """The idempotency key, and the size of the JCS it hashes."""
     try:
-        return idempotency_key(tool, canonical_args)
+        return idempotency_key_sized(tool, canonical_args)
     except ValueError as exc:
         # Valid JSON that is not I-JSON: lone surrogates, integers past 2**53.
         raise Refusal(
@@ -510,6 +535,14 @@ def _key_of(tool: str, canonical_args: dict[str, Any]) -> str:
             "arguments cannot be canonicalized (RFC 8785)",
             details=[{"loc": [], "msg": str(exc)}],
         ) from None
+
+
+def _size_of(args: Any) -> int:
+    """About how large arguments that were never canonicalized are."""
+    try:
+        return len(json.dumps(args, separators=(",", ":")))
+    except (TypeError, ValueError, RecursionError):
+        return MAX_ARGS_BYTES + 1  # not kept
 
 
 def _call_sync(handler: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -8,7 +8,7 @@ from typing import Any, Final
 
 import rfc8785
 
-__all__ = ["idempotency_key", "jcs", "sha256_hex"]
+__all__ = ["idempotency_key", "idempotency_key_sized", "jcs", "sha256_hex"]
 
 #: JCS numbers are IEEE doubles: integers beyond this lose precision.
 _MAX_SAFE_INT: Final = 2**53 - 1
@@ -62,4 +62,10 @@ def idempotency_key(tool: str, canonical_args: Any) -> str:
 
     The same business input gives the same key whatever the ``call_id``.
     """
-    return sha256_hex(jcs({"tool": tool, "args": canonical_args}))
+    return idempotency_key_sized(tool, canonical_args)[0]
+
+
+def idempotency_key_sized(tool: str, canonical_args: Any) -> tuple[str, int]:
+    """:func:`idempotency_key`, and the length of the JCS it hashed."""
+    data = jcs({"tool": tool, "args": canonical_args})
+    return sha256_hex(data), len(data)

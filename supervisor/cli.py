@@ -10,16 +10,18 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from supervisor.admin import record_json
 from supervisor.admin_client import AdminClient, AdminError, SupervisorNotRunning
 from supervisor.audit import audit_receipts, effects_for
+from supervisor.console.server import DEFAULT_PORT, Listen, parse_listen
 from supervisor.errors import HostcallError
 from supervisor.ids import is_valid_id
 from supervisor.limits import Limits
+from supervisor.metrics import parse_host_port
 from supervisor.plan import Plan
 from supervisor.statedir import chosen_state_dir
 from supervisor.stores.sqlite import read_calls
@@ -46,6 +48,20 @@ def _id(value: str) -> str:
     if not is_valid_id(value):
         raise argparse.ArgumentTypeError("ids are 1-128 characters of [A-Za-z0-9._:-]")
     return value
+
+
+def _listen(value: str) -> Listen:
+    try:
+        return parse_listen(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _host_port(value: str) -> tuple[str, int]:
+    try:
+        return parse_host_port(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive(value: str) -> float:
@@ -82,6 +98,20 @@ def _parser() -> argparse.ArgumentParser:
         )
         sub.add_argument("--max-files", type=int, metavar="N", help="open files of the guest")
 
+    def operator_options(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument(
+            "--console",
+            type=_listen,
+            metavar="[HOST:]PORT",
+            help="serve the operator console on this loopback port (0: any free one)",
+        )
+        sub.add_argument(
+            "--metrics-listen",
+            type=_host_port,
+            metavar="HOST:PORT",
+            help="serve Prometheus /metrics over TCP here",
+        )
+
     def no_sandbox_option(sub: argparse.ArgumentParser) -> None:
         sub.add_argument(
             "--no-sandbox",
@@ -101,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     limit_options(run)
     run.add_argument("--store", help="sqlite (default), sqlite:///PATH, memory or postgresql://…")
     no_sandbox_option(run)
+    operator_options(run)
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD [ARG…]")
 
@@ -113,6 +144,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     limit_options(serve)
     no_sandbox_option(serve)
+    operator_options(serve)
+
+    console = commands.add_parser(
+        "console", help="serve the operator console of a running supervisor"
+    )
+    state_dir_option(console)
+    console.add_argument(
+        "--listen",
+        "--console",
+        dest="listen",
+        type=_listen,
+        default=f"127.0.0.1:{DEFAULT_PORT}",
+        metavar="[HOST:]PORT",
+        help=f"loopback address and port (default 127.0.0.1:{DEFAULT_PORT}; 0: any free port)",
+    )
 
     demo = commands.add_parser("demo", help="run the bundled billing example end to end")
     state_dir_option(demo)
@@ -185,7 +231,10 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"hostcall run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     plan = Plan.load(args.plan)
-    async with Supervisor(_state_dir(args), store=args.store, sandbox=not args.no_sandbox) as sup:
+    async with (
+        Supervisor(_state_dir(args), store=args.store, sandbox=not args.no_sandbox) as sup,
+        _operator_sites(sup, args, "run"),
+    ):
         try:
             outcome = await sup.run(
                 plan, argv, invocation_id=args.invocation, limits=limits, attempts=args.attempts
@@ -232,9 +281,10 @@ async def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     plan = Plan.load(args.plan)
     state_dir = _state_dir(args)
-    async with Supervisor(
-        state_dir, store=args.store, plan=plan, sandbox=not args.no_sandbox
-    ) as sup:
+    async with (
+        Supervisor(state_dir, store=args.store, plan=plan, sandbox=not args.no_sandbox) as sup,
+        _operator_sites(sup, args, "serve"),
+    ):
         sup.launch_limits = limits
         print(
             f"hostcall serve: plan {plan.name} ({plan.plan_hash[:19]}…)"
@@ -246,6 +296,64 @@ async def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         await asyncio.Event().wait()  # until SIGINT/SIGTERM cancels us
+    return 0
+
+
+class _CannotListen(HostcallError):
+    """A console or metrics address could not be bound."""
+
+    code = "cannot_listen"
+
+
+@contextlib.asynccontextmanager
+async def _operator_sites(
+    sup: Supervisor, args: argparse.Namespace, command: str
+) -> AsyncIterator[None]:
+    """The console and the metrics listener ``--console`` / ``--metrics-listen`` ask for."""
+    from supervisor.console import ConsoleServer
+    from supervisor.metrics import MetricsListener
+
+    async with contextlib.AsyncExitStack() as stack:
+        if args.metrics_listen is not None:
+            host, port = args.metrics_listen
+            metrics = MetricsListener(sup.metrics, host, port)
+            await _bind(metrics.start(), f"--metrics-listen {host}:{port}")
+            stack.push_async_callback(metrics.close)
+            shown = f"[{host}]" if ":" in host else host
+            print(f"hostcall: metrics at http://{shown}:{metrics.port}/metrics", file=sys.stderr)
+        if args.console is not None:
+            console = ConsoleServer(sup.state.path, args.console)
+            await _bind(console.start(), f"--console {args.console.host}:{args.console.port}")
+            stack.push_async_callback(console.close)
+            print(f"hostcall: console at {console.url}", file=sys.stderr, flush=True)
+        yield
+
+
+async def _bind(start: Coroutine[Any, Any, None], what: str) -> None:
+    try:
+        await start
+    except OSError as exc:
+        raise _CannotListen(f"cannot listen on {what.split(' ', 1)[1]}: {exc.strerror}") from None
+
+
+async def _console(args: argparse.Namespace) -> int:
+    from supervisor.admin_client import AsyncAdminClient
+    from supervisor.console import ConsoleServer
+
+    state_dir = _state_dir(args)
+    await AsyncAdminClient(state_dir).request("GET", "/v1/stats")  # running? else it says so
+    console = ConsoleServer(state_dir, args.listen)
+    await _bind(console.start(), f"--listen {args.listen.host}:{args.listen.port}")
+    try:
+        print(
+            f"hostcall: console at {console.url}\n"
+            f"  of the supervisor on {state_dir}; stop with Ctrl-C",
+            file=sys.stderr,
+            flush=True,
+        )
+        await asyncio.Event().wait()  # until SIGINT/SIGTERM cancels us
+    finally:
+        await console.close()
     return 0
 
 
@@ -402,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hostcall`` command."""
     logging.basicConfig(level=logging.WARNING, format="hostcall: %(levelname)s: %(message)s")
     args = _parser().parse_args(argv)
-    async_commands = {"run": _run, "demo": _demo, "serve": _serve}
+    async_commands = {"run": _run, "demo": _demo, "serve": _serve, "console": _console}
     sync_commands = {"approvals": _approvals, "calls": _calls, "receipts": _receipts}
     try:
         if args.command in sync_commands:

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -13,8 +14,9 @@ from typing import Any, Final
 from channel.wire import CallReply
 from supervisor.broker import Broker
 from supervisor.errors import Refusal
-from supervisor.limits import EndReason
+from supervisor.limits import EndReason, Limits
 from supervisor.outcomes import ExecutionOutcome
+from supervisor.receipts import utc_timestamp
 from supervisor.spawn import GuestProcess
 
 __all__ = ["Execution", "ExecutionState", "ExecutionTable"]
@@ -40,6 +42,11 @@ class Execution:
     credential_sha256: bytes
     broker: Broker
     guest_pid: int | None = None
+    #: The guest's command, and the limits it runs under (set at launch).
+    argv: tuple[str, ...] = ()
+    limits: Limits | None = None
+    #: When it was created (epoch seconds).
+    created_at: float = field(default_factory=time.time)
     #: The guest's pid namespace and outside uid when it runs in a sandbox
     #: (the channel's origin check); ``None`` without one.
     guest_pidns: int | None = None
@@ -88,6 +95,10 @@ class Execution:
             return Refusal("execution_fenced", "a newer execution of this invocation took over")
         return Refusal("cancelled", "the execution ended before the call was dispatched")
 
+    def calls(self) -> Mapping[str, int]:
+        """Its calls by receipt outcome, so far."""
+        return self.outcome.calls if self.outcome is not None else self.broker.outcomes
+
     def describe(self) -> dict[str, object]:
         """This execution for the admin API (with its outcome once it ended).
 
@@ -100,6 +111,10 @@ class Execution:
             "execution_id": self.execution_id,
             "invocation_id": self.invocation_id,
             "state": "stopping" if stopping else str(self.state),
+            "created_at": utc_timestamp(self.created_at),
+            "argv": list(self.argv),
+            "limits": self.limits.to_json() if self.limits is not None else None,
+            "calls": dict(self.calls()),
             "guest_pid": self.guest_pid,
             "sandbox": dict(self.sandbox) if isinstance(self.sandbox, Mapping) else self.sandbox,
             "outcome": self.outcome.to_json() if self.outcome is not None else None,

@@ -42,6 +42,16 @@ class Limits:
     max_processes: int | None = None
     max_open_files: int | None = None
 
+    def to_json(self) -> dict[str, float | int | None]:
+        """The limits as the admin API shows them (``null``: unlimited)."""
+        return {
+            "timeout_s": self.timeout_s,
+            "memory_bytes": self.memory_bytes,
+            "cpu_s": self.cpu_s,
+            "max_processes": self.max_processes,
+            "max_open_files": self.max_open_files,
+        }
+
     def __post_init__(self) -> None:
         for name in ("timeout_s", "memory_bytes", "cpu_s", "max_processes", "max_open_files"):
             value = getattr(self, name)

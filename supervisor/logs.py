@@ -293,11 +293,13 @@ async def pump(
     passthrough: Passthrough | Callable[[bytes], object] | None,
     redactor: Redactor,
     budgets: Sequence[OutputBudget],
+    on_output: Callable[[], object] | None = None,
 ) -> None:
     """Copy a guest's stream to its log and (optionally) our own stream until EOF.
 
     Both get the same bytes, cut where any of ``budgets`` runs out; the pipe
-    is read to its end regardless. Closes ``log`` at the end.
+    is read to its end regardless; ``on_output()`` after each write. Closes
+    ``log`` at the end.
     """
     stream = CappedStream(redactor, budgets)
 
@@ -310,6 +312,8 @@ async def pump(
         elif passthrough is not None:
             with contextlib.suppress(OSError, ValueError):
                 passthrough(data)
+        if on_output is not None:
+            on_output()
 
     try:
         while chunk := await reader.read(_CHUNK):

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "Metrics", "MetricsListener", "parse_host_port"]
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 #: Latency buckets (seconds): a replay takes well under a millisecond, a
@@ -80,6 +81,81 @@ class Metrics:
         counter.inc()
         histogram.observe(seconds)
 
+    def calls_by_outcome(self) -> dict[str, int]:
+        """Calls so far by receipt outcome, all tools together."""
+        totals: dict[str, int] = {}
+        for family in self.calls.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    outcome = sample.labels["outcome"]
+                    totals[outcome] = totals.get(outcome, 0) + int(sample.value)
+        return totals
+
+    def in_flight_now(self) -> int:
+        """Handlers running now."""
+        return int(self.registry.get_sample_value("hostcall_calls_in_flight") or 0)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 in brackets) → ``(host, port)``.
+
+    Raises:
+        ValueError: not ``HOST:PORT``.
+    """
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{value!r} is not HOST:PORT")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"{value!r} is not HOST:PORT") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is not 0-65535")
+    return host.strip("[]"), port
+
+
+class MetricsListener:
+    """``GET /metrics`` over TCP for Prometheus (``--metrics-listen``; SPEC §14).
+
+    No token: metrics carry no secrets (tool names of the plan, counts, times).
+    """
+
+    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
+        self._metrics = metrics
+        self._host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        """Listen.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        app = web.Application()
+        app.router.add_get("/metrics", self._serve)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, self._host, self.port, reuse_address=True)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]  # the bound port, when 0 was asked for
+
+    async def close(self) -> None:
+        """Stop listening. Idempotent."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def _serve(self, request: web.Request) -> web.Response:
+        response = web.Response(body=self._metrics.render())
+        response.headers["Content-Type"] = CONTENT_TYPE
+        return response

@@ -22,6 +22,7 @@ from channel.server import (
     DEFAULT_MAX_CONNECTIONS_PER_GROUP,
     ChannelServer,
 )
+from supervisor.activity import Activity, Topic
 from supervisor.admin import AdminServer
 from supervisor.approvals import ApprovalController, Approver
 from supervisor.broker import Broker
@@ -123,7 +124,11 @@ class Supervisor:
         self._launcher: GuestLauncher | None = None
         self._store_spec = store
         self._store: EffectStore | None = None
-        self.approvals = ApprovalController(approver)
+        #: Change notices and recent calls, for the console (``GET /v1/events``).
+        self.activity = Activity()
+        self.approvals = ApprovalController(
+            approver, on_change=lambda: self.activity.changed(Topic.APPROVALS)
+        )
         self.metrics = Metrics(self.approvals.waiting)
         #: The plan ``POST /v1/invocations`` launches guests under (``hostcall serve``).
         self.served_plan = plan
@@ -139,6 +144,8 @@ class Supervisor:
         self._tracker = TreeTracker()
         self._executions = ExecutionTable()
         self._invocations: dict[str, _Invocation] = {}
+        #: Every plan this supervisor has run an invocation under, by hash.
+        self._plans: dict[str, Plan] = {} if plan is None else {plan.plan_hash: plan}
         self._receipt_logs: weakref.WeakValueDictionary[str, Receipts] = (
             weakref.WeakValueDictionary()
         )
@@ -351,6 +358,7 @@ class Supervisor:
                 f"invocation {invocation_id} runs under plan {record.plan_hash}, "
                 f"not {plan.plan_hash}: resume it with the plan it started with"
             )
+        self._plans.setdefault(plan.plan_hash, plan)
         invocation = self._invocations.get(invocation_id)
         if invocation is None:
             path = self.state.receipts_dir / f"{invocation_id}.jsonl"
@@ -396,6 +404,7 @@ class Supervisor:
             deadline_at=invocation.deadline_at,
             executor=self._executor,
             metrics=self.metrics,
+            activity=self.activity,
         )
         execution = Execution(
             execution_id,
@@ -403,10 +412,15 @@ class Supervisor:
             plan.plan_hash,
             digest,
             broker,
-            on_end=lambda ended: self.approvals.cancel_execution(ended.execution_id),
+            on_end=self._execution_ended,
         )
         self._executions.add(execution)
+        self.activity.changed(Topic.INVOCATIONS, invocation_id)
         return execution
+
+    def _execution_ended(self, execution: Execution) -> None:
+        self.approvals.cancel_execution(execution.execution_id)
+        self.activity.changed(Topic.INVOCATIONS, execution.invocation_id)
 
     async def _run_once(
         self, plan: Plan, invocation_id: str, invocation: _Invocation, launch: _Launch
@@ -416,6 +430,8 @@ class Supervisor:
             raise RuntimeError("the supervisor is not running")
         credential, digest = mint_credential()
         execution = self._new_execution(plan, invocation_id, invocation, digest)
+        execution.argv = tuple(launch.argv)
+        execution.limits = launch.limits
         socket = GUEST_SOCKET if launcher.sandbox is not None else self.socket_path
         identity = GuestIdentity(str(socket), invocation_id, execution.execution_id, plan.plan_hash)
         capture_out = launch.stdout is None
@@ -456,6 +472,7 @@ class Supervisor:
         execution.launched.set()
         execution.process = process
         execution.state = ExecutionState.RUNNING
+        self.activity.changed(Topic.INVOCATIONS, invocation_id)
         if relay_stdin and process.stdin is not None:
             StdinRelay.shared().attach(process.stdin)
         pumps = self._start_pumps(
@@ -487,6 +504,7 @@ class Supervisor:
         outcome = guest.outcome(reason, time.monotonic() - started, dict(execution.broker.outcomes))
         execution.outcome = outcome
         self._executions.retire(execution)
+        self.activity.changed(Topic.INVOCATIONS, invocation_id)
         if not any(e.live for e in self._executions.of_invocation(invocation_id)):
             # Nothing of it runs here now; a resume rebuilds it from the store.
             self._invocations.pop(invocation_id, None)
@@ -502,6 +520,12 @@ class Supervisor:
         capture_err: bool,
     ) -> list[asyncio.Task[None]]:
         folder = self.state.logs_dir / execution.invocation_id
+        invocation_id = execution.invocation_id
+        events = self.activity.events
+
+        def wrote() -> None:
+            events.publish(Topic.LOGS, invocation_id)
+
         # Both streams share the execution's budget; all executions, the invocation's.
         budgets = (OutputBudget.for_execution(self._execution_output_limit), invocation.output)
         pumps = []
@@ -519,6 +543,7 @@ class Supervisor:
                         passthrough=Passthrough.to(ours),
                         redactor=Redactor(credential.encode()),
                         budgets=budgets,
+                        on_output=wrote,
                     )
                 )
             )
@@ -529,6 +554,10 @@ class Supervisor:
     def execution(self, execution_id: str) -> Execution | None:
         """An execution of this supervisor, live or ended."""
         return self._executions.lookup(execution_id)
+
+    def plan_for(self, plan_hash: str) -> Plan | None:
+        """The plan with this hash, if this supervisor has run one under it."""
+        return self._plans.get(plan_hash)
 
     def guest_of(self, pid: int) -> str | None:
         """The execution whose guest tree process ``pid`` belongs to, if any."""

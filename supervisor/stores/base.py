@@ -24,6 +24,7 @@ __all__ = [
     "InvocationRecord",
     "StartCall",
     "budget_allows",
+    "budget_left",
     "charge_refusal",
 ]
 
@@ -161,6 +162,22 @@ def budget_allows(limits: BudgetLimits, used: BudgetUse, tool: str, cost: float)
     tool_limit = (limits.tool_max_calls or {}).get(tool)
     tool_used = (used.tool_calls or {}).get(tool, 0)
     return tool_limit is None or tool_used + 1 <= tool_limit
+
+
+def budget_left(
+    limits: BudgetLimits, used: BudgetUse | None, deadline_at: float | None
+) -> dict[str, Any]:
+    """The budget as ``GET /v1/plan`` shows it (SPEC §4.2): each limit, what
+    is left of it, the deadline; ``None`` for a limit that is not set."""
+    calls = used.calls if used is not None else 0
+    cost = used.cost if used is not None else 0.0
+    return {
+        "max_calls": limits.max_calls,
+        "calls_left": None if limits.max_calls is None else max(0, limits.max_calls - calls),
+        "max_cost": limits.max_cost,
+        "cost_left": None if limits.max_cost is None else max(0.0, limits.max_cost - cost),
+        "deadline_at": deadline_at,
+    }
 
 
 class EffectStore(Protocol):

@@ -11,6 +11,7 @@ JSON line carrying the command's ``id``:
     {"id": 2, "op": "burst", "n": 50, "request": {...}}    # n requests at once
     {"id": 3, "op": "spawn_child", "request": {...}}       # made by a grandchild
     {"op": "credential"} / {"op": "pid"} / {"op": "exit", "code": 0}
+    {"op": "print", "text": "..."}                         # a line on stderr
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def handle(command: dict[str, Any]) -> None:
         answer = {"credential": CREDENTIAL}
     elif op == "pid":
         answer = {"pid": os.getpid()}
+    elif op == "print":  # a line on stderr (stdout carries the answers)
+        print(command["text"], file=sys.stderr, flush=True)
+        answer = {"printed": True}
     else:
         answer = {"error": f"unknown op {op}"}
     reply(command, answer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,7 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor import Supervisor
 from supervisor.admin_client import AdminClient, AdminError
+from supervisor.limits import Limits
+from supervisor.receipts import utc_timestamp
 from tests.harness import (
+    DRIVER,
     STEP_TIMEOUT_S,
     Ledger,
     billing_plan,
@@ -167,6 +171,10 @@ async def test_cancelling_an_execution_stops_its_guest_and_refuses_its_waiting_c
         "execution_id": guest.execution.execution_id,
         "invocation_id": guest.execution.invocation_id,
         "state": "cancelled",
+        "created_at": utc_timestamp(guest.execution.created_at),
+        "argv": [sys.executable, str(DRIVER)],
+        "limits": Limits().to_json(),
+        "calls": {"refused": 1},
         "guest_pid": guest.execution.guest_pid,
         "sandbox": dict(guest.execution.sandbox),  # type: ignore[call-overload]
         # Answered once the guest is gone: its outcome is known.
