@@ -309,6 +309,14 @@ def _schemas() -> dict[str, Any]:
                 "name": {"type": "string"},
                 "tools": {"type": "array", "items": _ref("Tool")},
                 "budget": _ref("Budget"),
+                "approval_timeout_s": {
+                    "type": "number",
+                    "exclusiveMinimum": 0,
+                    "description": (
+                        "How long a proposal waits for a decision: a call of a tool whose "
+                        "approval is always may take that long to answer."
+                    ),
+                },
             },
         },
     }

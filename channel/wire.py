@@ -8,14 +8,14 @@ that refuses unknown top-level fields.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
 from channel.errors import Refusal, http_status_for
+from channel.ids import CALL_ID_PATTERN, is_valid_id
 
 __all__ = [
     "CALL_ID_PATTERN",
@@ -28,17 +28,8 @@ __all__ = [
     "parse_strict_json",
 ]
 
-#: SPEC §4.2: call ids and every id the CLI accepts.
-CALL_ID_PATTERN: Final = r"^[A-Za-z0-9._:-]{1,128}$"
-_ID_RE: Final = re.compile(CALL_ID_PATTERN)
-
 Effect = Literal["executed", "replayed", "none", "unknown", "failed"]
 ReplyStatus = Literal["ok", "ambiguous", "refused", "error", "awaiting_approval"]
-
-
-def is_valid_id(value: str) -> bool:
-    """Whether ``value`` is a well-formed call, invocation or execution id."""
-    return _ID_RE.fullmatch(value) is not None
 
 
 def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

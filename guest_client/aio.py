@@ -22,6 +22,7 @@ import time
 from guest_client.env import GuestEnvironment
 from guest_client.errors import HostcallError
 from guest_client.flows import call_flow, plan_flow, status_flow
+from guest_client.leases import approval_leases, call_timeout, leases_from_environ
 from guest_client.retry import Budget, RetryPolicy
 from guest_client.wire import Sleep, TransportFailure, mint_call_id
 
@@ -111,6 +112,8 @@ class AsyncHostClient:
         self._transport = transport
         self._clock = clock
         self._sleep = sleep
+        #: Tool → its approval lease: from the environment, then from any plan read.
+        self._leases = leases_from_environ()
         self._closed = False
 
     @property
@@ -140,7 +143,8 @@ class AsyncHostClient:
                 at most once; by default a fresh id, reused for every
                 transport retry of this call.
             timeout: Seconds for the whole call, retries and polling
-                included; default `retry.deadline`.
+                included; default `retry.deadline`, or for a tool that
+                needs approval at least its lease (guest_client.leases).
 
         Raises:
             Refused: The host did not run the tool (`.code` says why).
@@ -154,6 +158,7 @@ class AsyncHostClient:
         """
         if call_id is None:
             call_id = mint_call_id()
+        timeout = call_timeout(self._leases, tool, self._retry.deadline, timeout)
         return await self._run(call_flow(self._budget(timeout), call_id, tool, args))
 
     async def status(
@@ -180,7 +185,9 @@ class AsyncHostClient:
             Refused: The request was refused.
             TransportError: The host could not be reached in time.
         """
-        return await self._run(plan_flow(self._budget(timeout)))
+        plan = await self._run(plan_flow(self._budget(timeout)))
+        self._leases = approval_leases(plan)
+        return plan
 
     async def tools(self, *, timeout: float | None = None) -> list[dict[str, Any]]:  # noqa: ASYNC109
         """The tools this guest may call, with their JSON Schemas,

@@ -13,6 +13,7 @@ import time
 from guest_client.env import GuestEnvironment
 from guest_client.errors import HostcallError
 from guest_client.flows import call_flow, plan_flow, status_flow
+from guest_client.leases import approval_leases, call_timeout, leases_from_environ
 from guest_client.retry import Budget, RetryPolicy
 from guest_client.wire import Sleep, TransportFailure, mint_call_id
 
@@ -80,6 +81,8 @@ class HostClient:
         self._transport = transport
         self._clock = clock
         self._sleep = sleep
+        #: Tool → its approval lease: from the environment, then from any plan read.
+        self._leases = leases_from_environ()
         self._lock = _thread.allocate_lock()
         self._closed = False
 
@@ -112,7 +115,8 @@ class HostClient:
                 safe; by default a fresh id is minted and reused for every
                 transport retry of this call.
             timeout: Seconds for the whole call, retries and polling
-                included; default `retry.deadline`.
+                included; default `retry.deadline`, or for a tool that
+                needs approval at least its lease (guest_client.leases).
 
         Raises:
             Refused: The host did not run the tool (`.code` says why).
@@ -126,6 +130,7 @@ class HostClient:
         """
         if call_id is None:
             call_id = mint_call_id()
+        timeout = call_timeout(self._leases, tool, self._retry.deadline, timeout)
         flow = call_flow(self._budget(timeout), call_id, tool, args)
         return self._run(flow)
 
@@ -160,7 +165,9 @@ class HostClient:
             Refused: The request was refused.
             TransportError: The host could not be reached in time.
         """
-        return self._run(plan_flow(self._budget(timeout)))
+        plan = self._run(plan_flow(self._budget(timeout)))
+        self._leases = approval_leases(plan)
+        return plan
 
     def tools(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         """The tools this guest may call, with their JSON Schemas,

@@ -28,6 +28,7 @@ from channel.wire import is_valid_id, parse_strict_json
 from supervisor.activity import notice_json
 from supervisor.approvals import ProposalNotFound, ProposalNotWaiting
 from supervisor.errors import HostcallError, Refusal
+from supervisor.gc import collect
 from supervisor.metrics import CONTENT_TYPE
 from supervisor.receipts import utc_timestamp
 from supervisor.sockets import reachable_path
@@ -110,6 +111,7 @@ class AdminServer:
             web.get("/v1/invocations/{invocation_id}/activity", self._activity),
             web.get("/v1/invocations/{invocation_id}/logs", self._logs),
             web.get("/v1/invocations/{invocation_id}/receipts", self._receipts),
+            web.post("/v1/gc", self._gc),
         ]
         app.router.add_routes(routes)
         runner = web.AppRunner(
@@ -363,6 +365,25 @@ class AdminServer:
         path = self._sup.state.receipts_dir / f"{record.invocation_id}.jsonl"
         report = await asyncio.to_thread(verify_receipts, path, self._sup.state.path)
         return web.json_response(report)
+
+    async def _gc(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        older = body.get("older_than_s")
+        if not isinstance(older, int | float) or isinstance(older, bool) or older < 0:
+            raise Refusal("bad_request", "older_than_s must be a number of seconds >= 0")
+        unknown = set(body) - {"older_than_s", "dry_run"}
+        if unknown:
+            raise Refusal("bad_request", f"unknown fields {sorted(unknown)}")
+        live = {e.invocation_id for e in self._sup.executions() if e.live or e.outcome is None}
+        report = await collect(
+            self._sup.store,
+            self._sup.state.path,
+            older_than_s=float(older),
+            now=time.time(),
+            live=live,
+            dry_run=bool(body.get("dry_run", False)),
+        )
+        return web.json_response(report.to_json())
 
     async def _stats(self, request: web.Request) -> web.Response:
         return web.json_response(

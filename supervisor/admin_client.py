@@ -3,16 +3,18 @@ asynchronous one for the console (which also follows ``GET /v1/events``)."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from supervisor.errors import HostcallError
 from supervisor.sockets import reachable_path
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["AdminClient", "AdminError", "AsyncAdminClient", "SupervisorNotRunning"]
 
@@ -123,6 +125,8 @@ class AsyncAdminClient:
         except BaseException:
             sock.close()
             raise
+        import asyncio  # here: the CLI's synchronous client must not pay for it
+
         reader, writer = await asyncio.open_unix_connection(sock=sock, limit=2**20)
         try:
             payload = json.dumps(body).encode() if body is not None else b""

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Set
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Set
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -102,6 +102,9 @@ class Broker:
     metrics: Metrics | None = None
     #: Where the operator's console learns of each call (``None``: nobody asks).
     activity: Activity | None = None
+    #: ``extra=`` of log records about this execution (its host log, see
+    #: :mod:`supervisor.hostlog`).
+    log_context: Mapping[str, Any] = field(default_factory=dict)
     clock: Callable[[], float] = time.time
     #: Calls of this execution by receipt outcome (executed, replayed, …).
     outcomes: Counter[str] = field(default_factory=Counter)
@@ -206,13 +209,15 @@ class Broker:
             "plan_hash": self.plan.plan_hash,
             "name": self.plan.name,
             "tools": [
-                t.describe()
+                # The rule in force: the plan may ask approval of every irreversible tool.
+                {**t.describe(), "approval": "always" if self.plan.needs_approval(t) else "never"}
                 for name, t in sorted(self.plan.tools.items())
                 if name not in self.revoked
             ],
             "budget": budget_left(
                 self.plan.budget, record.used if record is not None else None, self.deadline_at
             ),
+            "approval_timeout_s": self.plan.approval_timeout_s,
         }
 
     # -- the pipeline ---------------------------------------------------------
@@ -413,11 +418,28 @@ class Broker:
             await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
             raise
         except ambiguous as exc:
-            logger.info("call %s: outcome unknown (%s)", call.call_id, type(exc).__name__)
+            logger.warning(
+                "call %s: %s: outcome unknown (%s: %s)",
+                call.call_id,
+                tool.name,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+                extra=self.log_context,
+            )
             await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
             reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
             return _Outcome(reply, "unknown", approval_id=approval_id)
         except Exception as exc:  # boundary: any other handler error leaves no effect
+            logger.warning(
+                "call %s: %s raised %s: %s",
+                call.call_id,
+                tool.name,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+                extra=self.log_context,
+            )
             await self._settle(self.store.release(self.invocation_id, call.call_id))
             reply = CallReply(
                 "error",
@@ -441,6 +463,13 @@ class Broker:
             )
             outcome = _Outcome(reply, "executed", digest, approval_id)
         else:
+            logger.warning(
+                "call %s: %s returned an invalid result: %s",
+                call.call_id,
+                tool.name,
+                problem,
+                extra=self.log_context,
+            )
             reply = CallReply(
                 "error",
                 call.call_id,

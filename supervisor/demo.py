@@ -31,6 +31,7 @@ from typing import Any, Final
 
 import supervisor
 from supervisor.approvals import Proposal
+from supervisor.cli.hints import hostcall_command
 from supervisor.plan import Plan
 from supervisor.statedir import chosen_state_dir
 from supervisor.stores.base import EffectRecord
@@ -169,10 +170,14 @@ def _approver(state_dir: Path, auto_approve: bool) -> Callable[[Proposal], Await
         reason = shlex.quote(REJECT_REASON)
         lease = proposal.expires_at - proposal.created_at
         until = time.strftime("%H:%M:%S %Z", time.localtime(proposal.expires_at))
+        # As typed in a new terminal: there the venv is not on PATH.
+        hostcall = shlex.quote(hostcall_command())
         print("   In a second terminal, approve it:")
-        print(f"     hostcall approvals approve {proposal.id} --state-dir {where}")
+        print(f"     {hostcall} approvals approve {proposal.id} --state-dir {where}")
         print("   or reject it:")
-        print(f"     hostcall approvals reject {proposal.id} --state-dir {where} --reason {reason}")
+        print(
+            f"     {hostcall} approvals reject {proposal.id} --state-dir {where} --reason {reason}"
+        )
         print(f"   Undecided at {until} (after {lease:g} s), it expires and is refused.")
         sys.stdout.flush()
         return None

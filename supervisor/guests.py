@@ -143,7 +143,7 @@ class RunningGuest:
             reason=reason,
             duration_s=duration_s,
             cpu_s=self.cpu_s,
-            peak_rss_bytes=self.peak_memory_bytes,
+            peak_rss_bytes=self.peak_memory_bytes or None,
             peak_processes=self.peak_processes,
             calls=calls,
             sandbox=self.sandbox,

@@ -6,7 +6,7 @@ import base64
 import hashlib
 import secrets
 
-from channel.wire import is_valid_id
+from channel.ids import is_valid_id
 
 __all__ = ["is_valid_id", "mint_credential", "new_id"]
 

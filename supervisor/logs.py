@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, BinaryIO, ClassVar, Final, Literal
+from typing import IO, BinaryIO, ClassVar, Final, Literal, Protocol
 
 from supervisor.terminal import escape_controls, is_terminal
 
@@ -333,6 +333,15 @@ PASSTHROUGH_BACKLOG: Final = 4 * 1024 * 1024
 PASSTHROUGH_DRAIN_S: Final = 5.0
 
 
+class Interposer(Protocol):
+    """A line drawn on the same terminal as guest output (see :class:`Passthrough`)."""
+
+    @property
+    def lock(self) -> threading.Lock: ...
+
+    def clear_locked(self) -> None: ...
+
+
 class Passthrough:
     """Guest output on one of the supervisor's own streams, written by a thread.
 
@@ -345,6 +354,9 @@ class Passthrough:
     """
 
     _by_stream: ClassVar[dict[int, Passthrough]] = {}
+    #: Something else that draws on the terminal (the CLI's status line): it is
+    #: cleared, under its lock, before guest output is written.
+    interposer: ClassVar[Interposer | None] = None
 
     def __init__(self, buffer: BinaryIO, backlog: int = PASSTHROUGH_BACKLOG) -> None:
         self._buffer = buffer
@@ -405,9 +417,16 @@ class Passthrough:
                     f"\n[hostcall: {dropped} bytes of guest output not shown here: "
                     "this stream was not being read; the log under the state dir has them]\n"
                 ).encode() + data
+            interposer = Passthrough.interposer
             with contextlib.suppress(OSError, ValueError):
-                self._buffer.write(data)
-                self._buffer.flush()
+                if interposer is None:
+                    self._buffer.write(data)
+                    self._buffer.flush()
+                else:
+                    with interposer.lock:
+                        interposer.clear_locked()
+                        self._buffer.write(data)
+                        self._buffer.flush()
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait (bounded) until everything queued so far has been written."""

@@ -8,7 +8,7 @@ from typing import Any, Final
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["CONTENT_TYPE", "Metrics", "MetricsListener", "parse_host_port"]
+__all__ = ["CONTENT_TYPE", "Metrics", "MetricsListener"]
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 #: Latency buckets (seconds): a replay takes well under a millisecond, a
@@ -98,24 +98,6 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
-
-
-def parse_host_port(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 in brackets) → ``(host, port)``.
-
-    Raises:
-        ValueError: not ``HOST:PORT``.
-    """
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"{value!r} is not HOST:PORT")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ValueError(f"{value!r} is not HOST:PORT") from None
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port {port} is not 0-65535")
-    return host.strip("[]"), port
 
 
 class MetricsListener:

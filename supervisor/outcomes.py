@@ -26,7 +26,9 @@ class ExecutionOutcome:
     reason: EndReason
     duration_s: float
     cpu_s: float
-    peak_rss_bytes: int
+    #: ``None`` when nothing counted it: no cgroup, and the guest ended before
+    #: the first sample.
+    peak_rss_bytes: int | None
     peak_processes: int
     calls: Mapping[str, int]
     #: ``"off"``, or the sandbox's namespaces and how its limits were held (SPEC §13).
@@ -75,9 +77,14 @@ class ExecutionOutcome:
         else:
             sandbox = "sandbox off"
             memory = "peak rss"
+        peak = (
+            "not sampled"
+            if self.peak_rss_bytes is None
+            else f"{self.peak_rss_bytes / 2**20:.1f} MiB"
+        )
         return (
             f"execution {self.execution_id} {ended} after {self.duration_s:.2f} s "
-            f"(cpu {self.cpu_s:.2f} s, {memory} {self.peak_rss_bytes / 2**20:.1f} MiB; {sandbox}); "
+            f"(cpu {self.cpu_s:.2f} s, {memory} {peak}; {sandbox}); "
             f"calls: {calls}"
         )
 

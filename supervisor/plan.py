@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -70,6 +71,28 @@ class _PlanFile(BaseModel):
     plan: _PlanSection = _PlanSection()
     tools: dict[str, _ToolSection] = {}
     sandbox: _SandboxSection | None = None
+
+
+#: The keys each table of a plan file may have, for "did you mean".
+_KEYS: Final[Mapping[str, tuple[str, ...]]] = {
+    "": tuple(_PlanFile.model_fields),
+    "plan": tuple(_PlanSection.model_fields),
+    "tools": tuple(_ToolSection.model_fields),
+    "sandbox": tuple(_SandboxSection.model_fields),
+}
+
+
+def _problem(error: Any) -> str:
+    """One validation error of a plan file, with a suggestion for a misspelt key."""
+    loc = [str(part) for part in error["loc"]]
+    where = ".".join(loc)
+    if error["type"] != "extra_forbidden":
+        return f"{where}: {error['msg']}"
+    table = "tools" if loc[0] == "tools" and len(loc) == 3 else loc[0] if len(loc) > 1 else ""
+    known = _KEYS.get(table, ())
+    close = difflib.get_close_matches(loc[-1], known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"
+    return f"{where}: unknown key{hint}"
 
 
 def _import_handler(path: str, folder: Path) -> Callable[..., Any]:
@@ -143,15 +166,20 @@ class Plan:
         path = Path(path).resolve()
         try:
             raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-            raise PlanError(f"cannot read plan {path}: {exc}") from exc
+        except FileNotFoundError:
+            raise PlanError(f"no plan file {path}") from None
+        except IsADirectoryError:
+            raise PlanError(f"{path} is a folder, not a plan file") from None
+        except OSError as exc:
+            raise PlanError(f"cannot read plan {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise PlanError(f"plan {path} is not UTF-8 text") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise PlanError(f"plan {path} is not valid TOML: {exc}") from None
         try:
             spec = _PlanFile.model_validate(raw)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-                for err in exc.errors(include_url=False)
-            )
+            problems = "; ".join(_problem(err) for err in exc.errors(include_url=False))
             raise PlanError(f"invalid plan {path}: {problems}") from None
         tools = []
         for tool_name, section in spec.tools.items():

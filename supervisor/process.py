@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any, Final, Literal
 
 import psutil
@@ -53,6 +54,8 @@ class GuestIdentity:
     invocation_id: str
     execution_id: str
     plan_hash: str
+    #: Tools that wait for approval → their lease (``HOSTCALL_APPROVAL_LEASES``).
+    approval_leases: Mapping[str, float] = field(default_factory=dict)
 
 
 def guest_environment(base: Mapping[str, str], identity: GuestIdentity) -> dict[str, str]:
@@ -62,6 +65,11 @@ def guest_environment(base: Mapping[str, str], identity: GuestIdentity) -> dict[
     env["HOSTCALL_INVOCATION"] = identity.invocation_id
     env["HOSTCALL_EXECUTION"] = identity.execution_id
     env["HOSTCALL_PLAN"] = identity.plan_hash
+    if identity.approval_leases:
+        # So the guest client waits as long as a proposal may (guest_client.leases).
+        env["HOSTCALL_APPROVAL_LEASES"] = json.dumps(
+            dict(identity.approval_leases), separators=(",", ":")
+        )
     return env
 
 

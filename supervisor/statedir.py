@@ -68,14 +68,27 @@ class StateDir:
 
         Raises:
             StateDirBusy: another running supervisor holds it.
+            UnsafeStateDir: it cannot be made or used (a file, not writable,
+                another user's, a symlink where a folder must be).
         """
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except FileExistsError:
+            raise UnsafeStateDir(
+                f"state dir {self.path} is a file, not a folder: name another --state-dir"
+            ) from None
+        except OSError as exc:
+            raise UnsafeStateDir(
+                f"cannot create state dir {self.path}: {exc.strerror}; name another --state-dir"
+            ) from None
         _owner_only(Path(os.path.realpath(self.path)))
         try:
             # O_NOFOLLOW: a symlink planted at the lock must not get its target emptied.
             fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
-            raise UnsafeStateDir(f"cannot open {self.path / 'lock'}: {exc.strerror}") from None
+            raise UnsafeStateDir(
+                f"cannot write in state dir {self.path} ({exc.strerror}): name another --state-dir"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -30,6 +30,7 @@ from supervisor.cgroups import CgroupHost
 from supervisor.errors import InvocationMismatch
 from supervisor.executions import Execution, ExecutionState, ExecutionTable
 from supervisor.guests import GuestLauncher
+from supervisor.hostlog import HostLog, about
 from supervisor.ids import is_valid_id, mint_credential, new_id
 from supervisor.limits import EndReason, Limits
 from supervisor.logs import (
@@ -155,6 +156,7 @@ class Supervisor:
         self._stopping: set[asyncio.Future[None]] = set()
         self._executor: ThreadPoolExecutor | None = None
         self._cgroups: CgroupHost | None = None
+        self._host_log: HostLog | None = None
         self.recovered_unknown = 0
 
     # -- lifecycle ------------------------------------------------------------
@@ -248,6 +250,10 @@ class Supervisor:
             )
             self._admin = AdminServer(self, self.state.path / "admin.sock")
             await self._admin.start()
+            self._host_log = HostLog(
+                self.state.logs_dir, lambda e: self._executions.lookup(e) is not None
+            )
+            logging.getLogger("supervisor").addHandler(self._host_log)
         except BaseException:
             await self.aclose()
             raise
@@ -269,6 +275,9 @@ class Supervisor:
             )
         for execution in self._executions:
             execution.end()
+        if self._host_log is not None:
+            logging.getLogger("supervisor").removeHandler(self._host_log)
+            self._host_log = None
         await self._tracker.close()
         if self._admin is not None:
             admin, self._admin = self._admin, None
@@ -405,6 +414,7 @@ class Supervisor:
             executor=self._executor,
             metrics=self.metrics,
             activity=self.activity,
+            log_context=about(invocation_id, execution_id, self.state.logs_dir),
         )
         execution = Execution(
             execution_id,
@@ -433,7 +443,17 @@ class Supervisor:
         execution.argv = tuple(launch.argv)
         execution.limits = launch.limits
         socket = GUEST_SOCKET if launcher.sandbox is not None else self.socket_path
-        identity = GuestIdentity(str(socket), invocation_id, execution.execution_id, plan.plan_hash)
+        identity = GuestIdentity(
+            str(socket),
+            invocation_id,
+            execution.execution_id,
+            plan.plan_hash,
+            {
+                name: plan.approval_timeout_s
+                for name, tool in plan.tools.items()
+                if plan.needs_approval(tool)
+            },
+        )
         capture_out = launch.stdout is None
         capture_err = launch.stderr is None
         # A sandboxed guest never gets the operator's terminal (see supervisor.terminal).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc
 import inspect
+import logging
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ __all__ = [
     "strictest_reversibility",
     "tool",
 ]
+
+logger = logging.getLogger(__name__)
 
 Reversibility = Literal["reversible", "costly", "irreversible"]
 Approval = Literal["never", "always"]
@@ -226,6 +229,16 @@ class Tool:
         cost = pick("cost", 0)
         if timeout_s <= 0 or cost < 0:
             raise PlanError(f"tool {name!r}: timeout_s must be > 0 and cost >= 0")
+        reversibility = strictest_reversibility(handler, file.reversibility)
+        if file.reversibility is not None and file.reversibility != reversibility:
+            logger.warning(
+                "tool %r: the plan says %s, but its handler is tagged %s: %s holds "
+                "(the strictest tag wins)",
+                name,
+                file.reversibility,
+                reversibility,
+                reversibility,
+            )
         target_args = tuple(pick("target_args", ()))
         unknown_targets = set(target_args) - set(input_model.model_fields)
         if unknown_targets:
@@ -240,7 +253,7 @@ class Tool:
             input_model=input_model,
             model_argument=model_argument,
             output_adapter=output_adapter,
-            reversibility=strictest_reversibility(handler, file.reversibility),
+            reversibility=reversibility,
             approval=approval,
             cost=cost,
             timeout_s=timeout_s,
@@ -349,7 +362,13 @@ def _input_model(
         return _forbid_extra(explicit), params[0].name
     fields: dict[str, Any] = {}
     for param in params:
-        annotation = Any if param.annotation is param.empty else param.annotation
+        if param.annotation is param.empty:
+            # Its schema would accept any JSON a guest sends: say what it takes.
+            raise PlanError(
+                f"tool {name!r}: parameter {param.name!r} has no type annotation "
+                f"(annotate it, e.g. `{param.name}: str`; `typing.Any` takes any JSON)"
+            )
+        annotation = param.annotation
         default = ... if param.default is param.empty else param.default
         fields[param.name] = (annotation, default)
     try:

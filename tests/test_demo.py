@@ -45,8 +45,8 @@ CHARGE_MEMOS = {"charge-1001": "order 1001", "charge-1002": "order 1002"}
 #: The refund the agent asks approval for, as the bank records it.
 REFUND = ("acct_bob", 8_00, "refund of order 1002")
 #: The printed command lines for a second terminal.
-APPROVE_LINE = re.compile(r"^\s+(hostcall approvals approve (apr_\w+) .*)$")
-REJECT_LINE = re.compile(r"^\s+(hostcall approvals reject (apr_\w+) .*)$")
+APPROVE_LINE = re.compile(r"^\s+(\S*hostcall approvals approve (apr_\w+) .*)$")
+REJECT_LINE = re.compile(r"^\s+(\S*hostcall approvals reject (apr_\w+) .*)$")
 
 
 @pytest.fixture(scope="module")
@@ -229,13 +229,16 @@ def start_demo(tmp_path: Path) -> Iterator[tuple[_RunningDemo, Path]]:
 
 
 def _second_terminal(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run a ``hostcall …`` line the demo printed, exactly as printed."""
+    """Run a ``hostcall …`` line the demo printed, exactly as printed, as a new
+    terminal would: elsewhere, with no virtual environment on its PATH."""
     argv = shlex.split(command)
-    assert argv[0] == "hostcall"
+    assert Path(argv[0]).name == "hostcall"
+    fresh = {**without_hostcall_env(), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    fresh.pop("VIRTUAL_ENV", None)
     return subprocess.run(
-        [*_CLI, *argv[1:]],
+        argv,
         cwd=cwd,
-        env=without_hostcall_env(),
+        env=fresh,
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT_S,

@@ -182,6 +182,20 @@ def checks(results: dict[str, Any]) -> list[Check]:
             "<=",
         ),
         _check(
+            "cli_help_ms",
+            "hostcall --help, whole process (ms)",
+            (results.get("cli_start") or {}).get("help_ms"),
+            150.0,
+            "<=",
+        ),
+        _check(
+            "cli_approvals_list_ms",
+            "hostcall approvals list against a running supervisor, whole process (ms)",
+            (results.get("cli_start") or {}).get("approvals_list_ms"),
+            150.0,
+            "<=",
+        ),
+        _check(
             "launch_overhead_ms",
             "launch overhead, no sandbox: p50 − p50 of bare create_subprocess_exec (ms)",
             launch.get("no_sandbox", {}).get("overhead_p50_ms"),

@@ -524,6 +524,9 @@ def run(settings: Settings, work: Path, skip: set[str]) -> tuple[dict[str, Any],
         results["import_time"] = attempt(
             "guest_client import", system.import_time, settings.import_samples
         )
+        results["cli_start"] = attempt(
+            "hostcall CLI start", system.cli_start, settings.import_samples, work
+        )
     results["thread_hop"] = attempt("thread hop", system.thread_hop, settings.hop_samples)
     for target, entry in targets.items():
         for found in entry.get("points", []):
@@ -608,6 +611,14 @@ def summary(results: dict[str, Any]) -> str:
         lines.append(
             f"import guest_client: {imported['wall_ms']} ms wall over a bare interpreter "
             f"(-X importtime: {imported['importtime_ms']} ms)"
+        )
+    start = results.get("cli_start") or {}
+    if start.get("status") != "failed" and start:
+        lines.append(
+            f"hostcall --help: {start['help_ms']} ms, hostcall approvals list (a running "
+            f"supervisor): {start['approvals_list_ms']} ms; python -c pass "
+            f"{start['python_pass_ms']} ms, import supervisor.supervisor "
+            f"{start['import_supervisor_ms']} ms (whole processes, medians)"
         )
     return "\n".join(lines)
 

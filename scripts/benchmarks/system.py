@@ -149,6 +149,63 @@ def import_time(samples: int) -> dict[str, Any]:
     }
 
 
+#: A plan for the CLI-start measurement's supervisor: one tool, no approvals.
+_CLI_PLAN: Final = """
+[plan]
+name = "cli-start"
+
+[tools.noop]
+handler = "bench_tools:noop"
+reversibility = "reversible"
+"""
+
+
+def cli_start(samples: int, work: Path) -> dict[str, Any]:
+    """How long ``hostcall --help`` and ``hostcall approvals list`` take, whole
+    processes: the latter against a running ``hostcall serve``. Side by side
+    in the same run: ``python -c pass`` (the floor) and ``python -c "import
+    supervisor.supervisor"`` (what every command loaded before the lazy CLI)."""
+    hostcall = Path(sys.executable).with_name("hostcall")
+    state = work / "cli-start-state"
+    plan = work / "cli-start-plan.toml"
+    plan.write_text(_CLI_PLAN)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "scripts" / "benchmarks")}
+    serve = subprocess.Popen(
+        [str(hostcall), "serve", "--plan", str(plan), "--state-dir", str(state),
+         "--store", "memory", "--no-sandbox"],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert serve.stderr is not None
+        deadline = time.monotonic() + IMPORT_TIMEOUT_S
+        while "admin:" not in serve.stderr.readline():
+            if time.monotonic() > deadline or serve.poll() is not None:
+                raise RuntimeError("hostcall serve did not start")
+
+        def timed(argv: list[str]) -> float:
+            started = time.perf_counter()
+            subprocess.run(argv, capture_output=True, timeout=IMPORT_TIMEOUT_S, check=True)
+            return time.perf_counter() - started
+
+        commands = {
+            "python_pass": [sys.executable, "-c", "pass"],
+            "import_supervisor": [sys.executable, "-c", "import supervisor.supervisor"],
+            "help": [str(hostcall), "--help"],
+            "approvals_list": [str(hostcall), "approvals", "list", "--state-dir", str(state)],
+        }
+        times: dict[str, list[float]] = {name: [] for name in commands}
+        for _ in range(samples):
+            for name, argv in commands.items():
+                times[name].append(timed(argv))
+    finally:
+        serve.terminate()
+        serve.wait(timeout=IMPORT_TIMEOUT_S)
+    return {
+        "samples": samples,
+        **{f"{name}_ms": round(statistics.median(t) * 1e3, 1) for name, t in times.items()},
+    }
+
+
 def thread_hop(samples: int) -> dict[str, Any]:
     """What a sync handler's worker-thread hop costs, alone: ``run_in_executor`` of a
     no-op on uvloop with a pool like the supervisor's (64 threads), one at a time

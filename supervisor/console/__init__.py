@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from supervisor.console.server import DEFAULT_PORT, ConsoleServer, Listen, parse_listen
+from supervisor.addresses import Listen, parse_listen
+from supervisor.console.server import DEFAULT_PORT, ConsoleServer
 
 __all__ = ["DEFAULT_PORT", "ConsoleServer", "Listen", "parse_listen"]

@@ -35,13 +35,11 @@ import asyncio
 import collections
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
@@ -49,6 +47,7 @@ from urllib.parse import quote
 from aiohttp import web
 
 from supervisor.activity import EventHub, Topic, notice_json
+from supervisor.addresses import Listen, parse_listen
 from supervisor.admin_client import AdminError, AsyncAdminClient, SupervisorNotRunning
 from supervisor.ids import is_valid_id
 
@@ -94,42 +93,6 @@ _STATIC_TYPES: Final = {
     "console.js": "text/javascript",
     "console.css": "text/css",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Listen:
-    """Where the console listens: a loopback host and a port (0: any free one)."""
-
-    host: str
-    port: int
-
-
-def parse_listen(value: str) -> Listen:
-    """``[HOST:]PORT`` → :class:`Listen`; ``HOST`` must be a loopback address
-    (``localhost`` is 127.0.0.1; IPv6 in brackets, ``[::1]:8765``).
-
-    Raises:
-        ValueError: not ``[HOST:]PORT``, or ``HOST`` is not loopback.
-    """
-    host, sep, port_text = value.rpartition(":")
-    if not sep:
-        host, port_text = "127.0.0.1", value
-    host = host.strip("[]") or "127.0.0.1"
-    if host == "localhost":
-        host = "127.0.0.1"
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ValueError(f"{value!r} is not [HOST:]PORT") from None
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port {port} is not 0-65535")
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"{host!r} is not an IP address (use 127.0.0.1 or ::1)") from None
-    if not address.is_loopback:
-        raise ValueError(f"{host} is not a loopback address: the console listens on loopback only")
-    return Listen(str(address), port)
 
 
 def _refuse(status: int, code: str, message: str) -> web.Response:

@@ -24,6 +24,7 @@ them every host path (the state dir's socket among them), is read from a pipe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -229,6 +230,7 @@ class SandboxHost:
         else:
             inside_cwd = layout.fresh_workdir()
             workdir = "fresh"
+            _warn_of_hidden_arguments(argv, cwd, layout)
         for path in policy.read_only:
             layout.bind(path, writable=False)
         for path in policy.read_write:
@@ -291,6 +293,26 @@ class SandboxHost:
             return False
         # An overlay shows only the folder's own file system: mounts below would vanish.
         return not any(cwd in point.parents for point in mount_points())
+
+
+def _warn_of_hidden_arguments(argv: Sequence[str], cwd: Path, layout: Layout) -> None:
+    """Say so when a relative argument names a file of a launch folder the
+    sandbox does not show (one under the host's private /tmp): inside, the
+    guest starts in a fresh folder, where that name finds nothing."""
+    if layout.shows(cwd):
+        return
+    for argument in argv[1:]:
+        if argument and not argument.startswith("-") and not os.path.isabs(argument):
+            with contextlib.suppress(OSError, ValueError):
+                if os.path.lexists(cwd / argument):
+                    logger.warning(
+                        "the guest's argument %r is relative to the launch folder %s, which "
+                        "its sandbox does not show (the host's /tmp is private): give its "
+                        "absolute path, or launch from a folder outside /tmp",
+                        argument,
+                        cwd,
+                    )
+                    return
 
 
 def _socket_masks(

@@ -17,6 +17,7 @@ from supervisor.stores.base import (
 from supervisor.stores.memory import MemoryEffectStore
 from supervisor.stores.postgres import PostgresEffectStore
 from supervisor.stores.sqlite import SQLiteEffectStore
+from supervisor.storespec import parse_store
 
 __all__ = [
     "Begun",
@@ -35,25 +36,19 @@ __all__ = [
 
 
 def store_from_spec(spec: str | None, state_dir: Path) -> EffectStore:
-    """The store a ``--store`` / ``HOSTCALL_STORE`` value names (SPEC §9).
-
-    ``sqlite`` (default: ``<state_dir>/effects.db``), ``sqlite:///PATH`` (PATH as
-    written: ``sqlite:////abs/x.db`` or ``sqlite:///rel/x.db``),
-    ``memory``, ``postgresql://…`` / ``postgres://…`` (shared by replicas; the
+    """The store a ``--store`` value names (see :func:`supervisor.storespec.parse_store`;
+    ``None`` here means the default, not ``$HOSTCALL_STORE``). A PostgreSQL
     replica's id is kept in ``<state_dir>/replica-id``, so a restart on the same
-    state dir recovers its own pending rows at once).
+    state dir recovers its own pending rows at once.
 
     Raises:
         ValueError: an unknown or unsupported store.
     """
-    if spec is None or spec in ("", "sqlite"):
-        return SQLiteEffectStore(state_dir / "effects.db")
-    if spec == "memory":
+    parsed = parse_store(spec if spec is not None else "sqlite", state_dir)
+    if parsed.kind == "memory":
         return MemoryEffectStore()
-    if spec.startswith("sqlite:///"):
-        return SQLiteEffectStore(Path(spec.removeprefix("sqlite:///")))
-    if spec.startswith(("postgresql://", "postgres://")):
-        return PostgresEffectStore(spec, identity_file=state_dir / "replica-id")
-    raise ValueError(
-        f"unknown store {spec!r}: use sqlite, sqlite:///PATH, memory or postgresql://…"
-    )
+    if parsed.kind == "postgresql":
+        assert parsed.dsn is not None
+        return PostgresEffectStore(parsed.dsn, identity_file=state_dir / "replica-id")
+    assert parsed.path is not None
+    return SQLiteEffectStore(parsed.path)

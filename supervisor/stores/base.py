@@ -274,3 +274,11 @@ class EffectStore(Protocol):
     async def calls(self, invocation_id: str) -> list[EffectRecord]:
         """Every effect record of an invocation, oldest first."""
         ...
+
+    async def forget_calls(self, invocation_id: str) -> int:
+        """Delete an invocation's effect records that are no longer in flight
+        (``committed`` or ``unknown``); how many. Its invocation row (budget,
+        deadline) and revocations stay. Only ``hostcall gc`` calls this, and
+        only for an invocation whose deadline has passed: then no call of it
+        can be admitted again, so forgetting what ran cannot run it twice."""
+        ...

@@ -142,6 +142,17 @@ class MemoryEffectStore:
         with self._lock:
             return frozenset(self._revoked.get(invocation_id, ()))
 
+    async def forget_calls(self, invocation_id: str) -> int:
+        with self._lock:
+            gone = [
+                key
+                for key, r in self._records.items()
+                if r.invocation_id == invocation_id and r.status is not EffectStatus.PENDING
+            ]
+            for key in gone:
+                del self._records[key]
+        return len(gone)
+
     async def calls(self, invocation_id: str) -> list[EffectRecord]:
         with self._lock:
             found = [r for r in self._records.values() if r.invocation_id == invocation_id]

@@ -54,6 +54,7 @@ from supervisor.stores.postgres_sql import (
     CALLS,
     COMMIT,
     DEAD_REPLICAS,
+    FORGET_CALLS,
     FORGET_REPLICAS,
     GET_EFFECT,
     GET_INVOCATION,
@@ -632,6 +633,11 @@ class PostgresEffectStore:
                 invocation_id,
             )
         return frozenset(row[0] for row in rows)
+
+    async def forget_calls(self, invocation_id: str) -> int:
+        async with self._conn() as conn:
+            status = await conn.execute(self._q(FORGET_CALLS), invocation_id)
+        return int(status.split()[-1])  # "DELETE n"
 
     async def calls(self, invocation_id: str) -> list[EffectRecord]:
         async with self._conn() as conn:

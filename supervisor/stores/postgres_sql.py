@@ -224,6 +224,7 @@ SETTLE_WHERE: Final = (
 COMMIT: Final = "UPDATE {s}.effects SET status = 'committed', response = $4, updated_at = $5"
 MARK_UNKNOWN: Final = "UPDATE {s}.effects SET status = 'unknown', updated_at = $4"
 RELEASE: Final = "DELETE FROM {s}.effects"
+FORGET_CALLS: Final = "DELETE FROM {s}.effects WHERE invocation_id = $1 AND status <> 'pending'"
 
 
 async def migrate(

@@ -54,7 +54,7 @@ from supervisor.stores.base import (
 )
 from supervisor.stores.journal import CHECKPOINT_ROWS, JOURNAL_SCHEMA, Line, ReceiptJournal
 
-__all__ = ["SCHEMA_VERSION", "SQLiteEffectStore", "read_calls"]
+__all__ = ["SCHEMA_VERSION", "SQLiteEffectStore", "read_calls", "read_invocations"]
 
 T = TypeVar("T")
 
@@ -740,6 +740,16 @@ class SQLiteEffectStore:
             )
         )
 
+    async def forget_calls(self, invocation_id: str) -> int:
+        def op(conn: sqlite3.Connection) -> int:
+            cursor = conn.execute(
+                "DELETE FROM effects WHERE invocation_id = ? AND status != 'pending'",
+                (invocation_id,),
+            )
+            return cursor.rowcount
+
+        return await self._run(op)
+
     async def revoke(self, invocation_id: str, tool: str, now: float) -> None:
         await self._run(
             lambda conn: conn.execute(
@@ -805,6 +815,25 @@ def _private(database: Path) -> None:
         with contextlib.suppress(FileNotFoundError, PermissionError):
             if os.stat(path).st_uid == os.getuid():
                 os.chmod(path, 0o600)
+
+
+def read_invocations(path: Path) -> list[InvocationRecord]:
+    """Every invocation of a SQLite store no supervisor holds, read-only, oldest first.
+
+    Raises:
+        StoreUnavailable: the file is missing or not a hostcall store.
+    """
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        raise StoreUnavailable(f"cannot read effect store {path}: {exc}") from exc
+    try:
+        ids = conn.execute("SELECT invocation_id FROM invocations ORDER BY created_at")
+        return [r for (i,) in ids.fetchall() if (r := _get_invocation(conn, i)) is not None]
+    except sqlite3.Error as exc:
+        raise StoreUnavailable(f"cannot read effect store {path}: {exc}") from exc
+    finally:
+        conn.close()
 
 
 def read_calls(path: Path, invocation_id: str) -> list[EffectRecord] | None:

@@ -138,3 +138,44 @@ async def test_model_tool_calls_run_once_under_the_models_own_ids_against_a_real
         assert "charge" in names and "lookup" in names
     assert ledger.runs == {"charge": 1, "lookup": 1}
     assert sorted(record.call_id for record in records) == ["call_Ab12", "toolu_01X"]
+
+
+WAITS_FOR_APPROVAL = r"""
+import json, os
+from guest_client import HostcallError, RetryPolicy, connect
+
+# A deadline far shorter than the plan's approval lease.
+client = connect(retry=RetryPolicy(deadline=1.0))
+out = {"leases": os.environ.get("HOSTCALL_APPROVAL_LEASES")}
+try:
+    out["result"] = client.call("charge", {"account": "acct_1", "cents": 5}, call_id="c1")
+except HostcallError as exc:
+    out["error"] = [type(exc).__name__, exc.code]
+print(json.dumps(out), flush=True)
+"""
+
+
+async def test_a_call_waiting_for_approval_outlasts_the_policy_deadline_up_to_its_lease(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    """The client learns the lease (HOSTCALL_APPROVAL_LEASES) and does not give
+    up at its 1 s deadline while the proposal still waits (issue 14)."""
+    plan = billing_plan(ledger, require_approval_for_irreversible=True, approval_timeout_s=20)
+    run = asyncio.create_task(sup.run(plan, [sys.executable, "-c", WAITS_FOR_APPROVAL]))
+    async with asyncio.timeout(STEP_TIMEOUT_S * 2):
+        await wait_until(lambda: sup.approvals.waiting() == 1, "the proposal")
+        [proposal] = sup.approvals.list("waiting")
+        loop = asyncio.get_running_loop()
+        # Past the client's own deadline (a clock, not an order of events):
+        # without the lease it would have given up by now.
+        waited_until = loop.time() + 2.0
+        while loop.time() < waited_until:
+            await asyncio.sleep(0.1)
+        sup.approvals.approve(proposal.id)
+        outcome = await run
+    log = sup.state.logs_dir / outcome.invocation_id / f"{outcome.execution_id}.stdout.log"
+    printed = json.loads(log.read_text())
+    assert outcome.exit_status == 0
+    assert printed["result"] == {"charge_id": "ch_1", "account": "acct_1", "cents": 5}
+    assert json.loads(printed["leases"])["charge"] == 20
+    assert ledger.runs["charge"] == 1

@@ -178,7 +178,7 @@ def test_a_state_dir_path_too_long_for_sun_path_still_works(
     [
         (("--invocation", "bad id!"), "ids are 1-128 characters"),
         (("--timeout", "0"), "must be greater than 0"),
-        (("--attempts", "0"), "--attempts must be at least 1"),
+        (("--attempts", "0"), "--attempts: must be at least 1"),
     ],
 )
 def test_bad_options_exit_2_with_a_message(

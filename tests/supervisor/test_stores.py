@@ -1043,3 +1043,30 @@ async def test_sqlite_a_database_from_a_newer_hostcall_is_store_unavailable(
                 await newer.open()
         finally:
             await newer.close()
+
+
+# -- forgetting (hostcall gc) -----------------------------------------------------
+
+
+async def test_forget_calls_deletes_settled_records_and_keeps_in_flight_ones_and_the_budget(
+    store: EffectStore,
+) -> None:
+    other = "inv_other"
+    await store.open_invocation(other, "sha256:" + "0" * 64, None, 0.0)
+    assert (await store.begin(start("c1"), 1.0)).won
+    await store.commit(INV, "c1", RESPONSE, 2.0)
+    await unknown_record(store, "c2")
+    assert (await store.begin(start("c3"), 3.0)).won  # still pending: in flight
+    assert (await store.begin(start("c1", invocation=other), 1.0)).won
+    await store.commit(other, "c1", RESPONSE, 2.0)
+    await store.revoke(INV, "charge", 4.0)
+    used_before = (await store.get_invocation(INV)).used  # type: ignore[union-attr]
+
+    forgotten = await store.forget_calls(INV)
+
+    assert forgotten == 2
+    assert [r.call_id for r in await store.calls(INV)] == ["c3"]
+    assert [r.call_id for r in await store.calls(other)] == ["c1"]
+    invocation = await store.get_invocation(INV)
+    assert invocation is not None and invocation.used == used_before
+    assert await store.revoked(INV) == frozenset({"charge"})

@@ -1,0 +1,7 @@
+"""The ``hostcall`` command line (SPEC §9; docs/operations.md)."""
+
+from __future__ import annotations
+
+from supervisor.cli.app import main
+
+__all__ = ["main"]

@@ -1,0 +1,170 @@
+"""``hostcall``'s entry point: parse, set up logging, run one command, map every
+failure to one line on stderr and an exit code (docs/operations.md, "Exit codes").
+
+Only the grammar is imported up front; each command imports what it needs
+when it runs, so ``hostcall --help`` and ``hostcall approvals list`` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Final
+
+from supervisor.cli.parser import build_parser
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERNAL",
+    "EXIT_NOT_EXECUTABLE",
+    "EXIT_NOT_FOUND",
+    "EXIT_USAGE",
+    "main",
+    "state_dir_of",
+]
+
+#: An operation was refused: not waiting, not found, a broken chain, not live.
+EXIT_FAILED: Final = 1
+#: hostcall cannot do what was asked: bad arguments, plan, store or state dir,
+#: no supervisor running, no sandbox on this host, an address in use.
+EXIT_USAGE: Final = 2
+#: A bug in hostcall (one line; ``-vv`` shows the traceback).
+EXIT_INTERNAL: Final = 70
+#: The shell's "found but cannot be executed" …
+EXIT_NOT_EXECUTABLE: Final = 126
+#: … and "command not found".
+EXIT_NOT_FOUND: Final = 127
+
+#: Each command and the module:function that runs it (imported when it runs).
+_COMMANDS: Final = {
+    "run": "supervisor.cli.running:run",
+    "serve": "supervisor.cli.running:serve",
+    "console": "supervisor.cli.running:console",
+    "demo": "supervisor.cli.running:demo",
+    "launch": "supervisor.cli.commands:launch",
+    "invocations": "supervisor.cli.commands:invocations",
+    "calls": "supervisor.cli.commands:calls",
+    "logs": "supervisor.cli.commands:logs",
+    "cancel": "supervisor.cli.commands:cancel",
+    "revoke": "supervisor.cli.commands:revoke",
+    "approvals": "supervisor.cli.commands:approvals",
+    "receipts": "supervisor.cli.commands:receipts",
+    "gc": "supervisor.cli.commands:gc",
+    "completion": "supervisor.cli.commands:completion",
+}
+
+
+def state_dir_of(args: argparse.Namespace) -> Path:
+    """``--state-dir``, given anywhere on the line, else the default (SPEC §9)."""
+    from supervisor.statedir import chosen_state_dir
+
+    return chosen_state_dir(getattr(args, "state_dir", None))
+
+
+class _OneLine(logging.Formatter):
+    """``hostcall: LEVEL: message``; a traceback only at debug level."""
+
+    def __init__(self, tracebacks: bool) -> None:
+        super().__init__("hostcall: %(levelname)s: %(message)s")
+        self._tracebacks = tracebacks
+
+    def format(self, record: logging.LogRecord) -> str:
+        if self._tracebacks or not record.exc_info:
+            return super().format(record)
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            line = super().format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+        where = getattr(record, "hostcall_host_log", None)
+        return f"{line} (traceback in {where})" if where else line
+
+
+def _log_level(args: argparse.Namespace) -> int:
+    named = getattr(args, "log_level", None)
+    if named is not None:
+        return int(getattr(logging, named.upper()))
+    verbose = getattr(args, "verbose", 0) or 0
+    return logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 else logging.WARNING
+
+
+def _setup_logging(level: int) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine(tracebacks=level <= logging.DEBUG))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def _foreign_supervisor() -> str | None:
+    """Why this ``supervisor`` package is not (only) hostcall's, if it is not."""
+    import supervisor
+    from supervisor._foreign import FOREIGN_MESSAGE, is_foreign
+
+    return FOREIGN_MESSAGE if is_foreign(supervisor) else None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hostcall")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown (not installed)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hostcall`` command."""
+    foreign = _foreign_supervisor()
+    if foreign is not None:
+        print(f"hostcall: {foreign}", file=sys.stderr)
+        return EXIT_USAGE
+    parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions (argcomplete)
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
+    args = parser.parse_args(argv)
+    if args.version:
+        print(f"hostcall {_version()}")
+        return 0
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        print("hostcall: give a command; `hostcall --help` lists them", file=sys.stderr)
+        return EXIT_USAGE
+    level = _log_level(args)
+    _setup_logging(level)
+    module, _, name = _COMMANDS[args.command].partition(":")
+    command: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), name)
+    where = f"hostcall {args.command}"
+    from supervisor.errors import HostcallError
+
+    try:
+        return command(args)
+    except HostcallError as exc:
+        print(f"{where}: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `hostcall … | head`: the reader left; say nothing more.
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the exit-time flush
+        return EXIT_FAILED
+    except Exception as exc:  # boundary: one line, never a traceback (but with -vv)
+        logging.getLogger("supervisor.cli").debug("internal error", exc_info=True)
+        print(
+            f"{where}: internal error: {type(exc).__name__}: {exc} "
+            "(run again with -vv for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL

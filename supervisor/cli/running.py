@@ -1,0 +1,315 @@
+"""The commands that run a supervisor or a console: ``run``, ``serve``,
+``console`` and ``demo`` (docs/operations.md)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shlex
+import signal
+import sys
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
+from typing import Any
+
+from supervisor.cli.app import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, state_dir_of
+from supervisor.cli.hints import hostcall_command, state_dir_flag
+from supervisor.cli.watch import Watch
+from supervisor.errors import HostcallError
+from supervisor.executions import Execution
+from supervisor.ids import new_id
+from supervisor.limits import Limits
+from supervisor.outcomes import RunOutcome
+from supervisor.plan import Plan
+from supervisor.storespec import parse_store
+from supervisor.supervisor import Supervisor
+from supervisor.terminal import is_terminal
+
+__all__ = ["UsageError", "console", "demo", "run", "run_main", "serve"]
+
+
+class UsageError(HostcallError):
+    """What was asked cannot be done as asked (exit 2, one line)."""
+
+    code = "usage"
+
+
+def run_main(coro: Coroutine[Any, Any, int]) -> int:
+    """Run ``coro`` on uvloop; SIGINT and SIGTERM cancel it, and the exit
+    status is then 128 + the signal (130, 143)."""
+
+    async def guarded() -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        received: list[int] = []
+        for signum in (signal.SIGINT, signal.SIGTERM):
+
+            def cancel(signum: int = signum) -> None:
+                received.append(signum)
+                task.cancel()
+
+            loop.add_signal_handler(signum, cancel)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if received:
+                return 128 + received[0]
+            raise
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(guarded())
+    return uvloop.run(guarded())
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    return Limits(
+        timeout_s=args.timeout,
+        memory_bytes=int(args.memory * 2**20) if args.memory else None,
+        cpu_s=args.cpu,
+        max_processes=args.max_procs,
+        max_open_files=args.max_files,
+    )
+
+
+def _checked_store(args: argparse.Namespace, state_dir: Path) -> None:
+    try:
+        parse_store(args.store, state_dir)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+class _CannotListen(HostcallError):
+    code = "cannot_listen"
+
+
+async def _bind(start: Coroutine[Any, Any, None], what: str) -> None:
+    try:
+        await start
+    except OSError as exc:
+        raise _CannotListen(f"cannot listen on {what}: {exc.strerror}") from None
+
+
+@contextlib.asynccontextmanager
+async def _operator_sites(sup: Supervisor, args: argparse.Namespace) -> AsyncIterator[None]:
+    """The console and the metrics listener ``--console`` / ``--metrics-listen`` ask for."""
+    async with contextlib.AsyncExitStack() as stack:
+        if args.metrics_listen is not None:
+            from supervisor.metrics import MetricsListener
+
+            host, port = args.metrics_listen
+            metrics = MetricsListener(sup.metrics, host, port)
+            await _bind(metrics.start(), f"{host}:{port}")
+            stack.push_async_callback(metrics.close)
+            shown = f"[{host}]" if ":" in host else host
+            print(f"hostcall: metrics at http://{shown}:{metrics.port}/metrics", file=sys.stderr)
+        if args.console is not None:
+            from supervisor.console import ConsoleServer
+
+            console_server = ConsoleServer(sup.state.path, args.console)
+            await _bind(console_server.start(), f"{args.console.host}:{args.console.port}")
+            stack.push_async_callback(console_server.close)
+            print(f"hostcall: console at {console_server.url}", file=sys.stderr, flush=True)
+        yield
+
+
+# -- run ---------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    """``hostcall run``."""
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise UsageError("give the guest's command after --: hostcall run --plan P -- CMD [ARG…]")
+    state_dir = state_dir_of(args)
+    _checked_store(args, state_dir)
+    try:
+        limits = _limits(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    plan = Plan.load(args.plan)
+    invocation_id = args.invocation or new_id("inv")
+    return run_main(_run(args, plan, argv, limits, state_dir, invocation_id))
+
+
+def _resume_hint(args: argparse.Namespace, argv: list[str], state_dir: Path, inv: str) -> str:
+    words = [hostcall_command(), "run", "--plan", args.plan, "--invocation", inv]
+    if args.store:
+        words += ["--store", args.store]
+    return shlex.join(words) + state_dir_flag(state_dir) + " -- " + shlex.join(argv)
+
+
+async def _run(
+    args: argparse.Namespace,
+    plan: Plan,
+    argv: list[str],
+    limits: Limits,
+    state_dir: Path,
+    invocation_id: str,
+) -> int:
+    try:
+        async with (
+            Supervisor(state_dir, store=args.store, sandbox=not args.no_sandbox) as sup,
+            _operator_sites(sup, args),
+        ):
+            resumed = await sup.store.get_invocation(invocation_id) is not None
+            sandbox = "sandbox on" if sup.sandboxed else "sandbox off"
+            announced: list[str] = []
+
+            def announce(execution: Execution) -> None:
+                # Once the guest runs: a mistake found before (a plan its
+                # sandbox refuses, a command that is missing) stays one line.
+                if not announced:
+                    announced.append(execution.execution_id)
+                    print(
+                        f"hostcall: invocation {invocation_id}{' (resumed)' if resumed else ''}, "
+                        f"plan {plan.name}, {sandbox}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+
+            watch = Watch(
+                sup,
+                state_dir,
+                prefix="hostcall",
+                invocation_id=invocation_id,
+                attempts=args.attempts,
+                status=is_terminal(2),
+            )
+            watch.start()
+            try:
+                outcome = await sup.run(
+                    plan,
+                    argv,
+                    invocation_id=invocation_id,
+                    limits=limits,
+                    attempts=args.attempts,
+                    on_start=announce,
+                )
+            except FileNotFoundError as exc:
+                watch.say(f"hostcall run: cannot start {argv[0]!r}: {exc.strerror}")
+                return EXIT_NOT_FOUND
+            except PermissionError as exc:
+                watch.say(f"hostcall run: cannot start {argv[0]!r}: {exc.strerror}")
+                return EXIT_NOT_EXECUTABLE
+            finally:
+                await watch.close()
+    except asyncio.CancelledError:
+        # SIGINT or SIGTERM: the guest tree was stopped on the way out.
+        print(
+            f"hostcall: stopped; the guest tree was ended. Invocation {invocation_id} "
+            f"resumes with: {_resume_hint(args, argv, state_dir, invocation_id)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise
+    _report(args, outcome)
+    return outcome.exit_status
+
+
+def _report(args: argparse.Namespace, outcome: RunOutcome) -> None:
+    """The summary: a line per execution on stderr, or with ``--json`` the JSON
+    outcome as stderr's last line (SPEC §9: the summary goes to stderr); with
+    ``--json FILE`` (``-``: stdout) the lines stay and the JSON goes there,
+    apart from any guest output."""
+    text = json.dumps(outcome.to_json())
+    if args.json != "":
+        for execution in outcome.executions:
+            print(
+                f"hostcall: invocation {outcome.invocation_id} {execution.describe()}",
+                file=sys.stderr,
+            )
+    if args.json is None:
+        return
+    if args.json == "":
+        print(text, file=sys.stderr)
+    elif args.json == "-":
+        sys.stdout.flush()
+        print(text, flush=True)
+    else:
+        try:
+            Path(args.json).write_text(text + "\n")
+        except OSError as exc:
+            print(f"hostcall run: cannot write {args.json}: {exc.strerror}", file=sys.stderr)
+
+
+# -- serve -------------------------------------------------------------------
+
+
+def serve(args: argparse.Namespace) -> int:
+    """``hostcall serve``."""
+    state_dir = state_dir_of(args)
+    _checked_store(args, state_dir)
+    try:
+        limits = _limits(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    plan = Plan.load(args.plan)
+    return run_main(_serve(args, plan, limits, state_dir))
+
+
+async def _serve(args: argparse.Namespace, plan: Plan, limits: Limits, state_dir: Path) -> int:
+    async with (
+        Supervisor(state_dir, store=args.store, plan=plan, sandbox=not args.no_sandbox) as sup,
+        _operator_sites(sup, args),
+    ):
+        sup.launch_limits = limits
+        print(
+            f"hostcall serve: plan {plan.name} ({plan.plan_hash[:19]}…)"
+            f"{'' if sup.sandboxed else ', sandbox off'}\n"
+            f"  channel: {sup.socket_path}\n  admin:   {sup.state.path / 'admin.sock'}\n"
+            f"  launch guests with: {shlex.quote(hostcall_command())} launch"
+            f"{state_dir_flag(state_dir)} -- CMD [ARG…]  (or POST /v1/invocations); "
+            "stop with Ctrl-C",
+            file=sys.stderr,
+            flush=True,
+        )
+        watch = Watch(sup, state_dir, prefix="hostcall serve")
+        watch.start()
+        try:
+            await asyncio.Event().wait()  # until SIGINT/SIGTERM cancels us
+        finally:
+            await watch.close()
+    return 0
+
+
+# -- console, demo -----------------------------------------------------------
+
+
+def console(args: argparse.Namespace) -> int:
+    """``hostcall console``."""
+    return run_main(_console(args))
+
+
+async def _console(args: argparse.Namespace) -> int:
+    from supervisor.admin_client import AsyncAdminClient
+    from supervisor.console import ConsoleServer
+
+    state_dir = state_dir_of(args)
+    await AsyncAdminClient(state_dir).request("GET", "/v1/stats")  # running? else it says so
+    server = ConsoleServer(state_dir, args.listen)
+    await _bind(server.start(), f"{args.listen.host}:{args.listen.port}")
+    try:
+        print(
+            f"hostcall: console at {server.url}\n"
+            f"  of the supervisor on {state_dir}; stop with Ctrl-C",
+            file=sys.stderr,
+            flush=True,
+        )
+        await asyncio.Event().wait()  # until SIGINT/SIGTERM cancels us
+    finally:
+        await server.close()
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    """``hostcall demo``."""
+    from supervisor.demo import run_demo
+
+    return run_main(run_demo(state_dir_of(args), auto_approve=not args.manual_approval))
