@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -67,24 +68,38 @@ def state_dir_of(args: argparse.Namespace) -> Path:
     return chosen_state_dir(getattr(args, "state_dir", None))
 
 
+#: Control characters (C0 but tab, DEL, C1): a message may quote what a guest
+#: sent (an error naming its argument), and on the operator's terminal an
+#: escape sequence would act, a newline would forge a line of our own.
+_CONTROLS: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character shown as ``\\xNN``: one inert line."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 class _OneLine(logging.Formatter):
-    """``hostcall: LEVEL: message``; a traceback only at debug level."""
+    """``hostcall: LEVEL: message``, the message one inert line; a traceback
+    only at debug level."""
 
     def __init__(self, tracebacks: bool) -> None:
         super().__init__("hostcall: %(levelname)s: %(message)s")
         self._tracebacks = tracebacks
 
     def format(self, record: logging.LogRecord) -> str:
-        if self._tracebacks or not record.exc_info:
-            return super().format(record)
-        saved = record.exc_info, record.exc_text
-        record.exc_info, record.exc_text = None, None
+        saved = record.msg, record.args, record.exc_info, record.exc_text
+        record.msg, record.args = one_line(record.getMessage()), None
+        if not self._tracebacks:
+            record.exc_info, record.exc_text = None, None
         try:
             line = super().format(record)
         finally:
-            record.exc_info, record.exc_text = saved
+            record.msg, record.args, record.exc_info, record.exc_text = saved
         where = getattr(record, "hostcall_host_log", None)
-        return f"{line} (traceback in {where})" if where else line
+        if where and saved[2] and not self._tracebacks:
+            return f"{line} (traceback in {where})"
+        return line
 
 
 def _log_level(args: argparse.Namespace) -> int:
@@ -151,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return command(args)
     except HostcallError as exc:
-        print(f"{where}: {exc.message}", file=sys.stderr)
+        print(f"{where}: {one_line(exc.message)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
@@ -163,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # boundary: one line, never a traceback (but with -vv)
         logging.getLogger("supervisor.cli").debug("internal error", exc_info=True)
         print(
-            f"{where}: internal error: {type(exc).__name__}: {exc} "
+            f"{where}: internal error: {type(exc).__name__}: {one_line(str(exc))} "
             "(run again with -vv for the traceback, and please report it)",
             file=sys.stderr,
         )

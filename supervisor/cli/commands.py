@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from supervisor.admin_client import AdminClient, AdminError, SupervisorNotRunning
-from supervisor.cli.app import EXIT_FAILED, EXIT_USAGE, state_dir_of
+from supervisor.cli.app import EXIT_FAILED, EXIT_USAGE, one_line, state_dir_of
 from supervisor.errors import HostcallError
 from supervisor.ids import is_valid_id
 from supervisor.storespec import parse_store
@@ -64,7 +64,7 @@ def _short(value: Any, width: int = 48) -> str:
 
 
 def _failed(command: str, exc: AdminError) -> int:
-    print(f"hostcall {command}: {exc.message}", file=sys.stderr)
+    print(f"hostcall {command}: {one_line(exc.message)}", file=sys.stderr)
     return EXIT_FAILED
 
 
@@ -289,6 +289,8 @@ def logs(args: argparse.Namespace) -> int:
         print(f"hostcall logs: no logs of {args.invocation} in {state_dir}", file=sys.stderr)
         return EXIT_FAILED
     out = sys.stdout.buffer
+    # Guest output on a terminal: its escapes shown as text, as the pass-through does.
+    shown_raw = not sys.stdout.isatty()
     offsets: dict[Path, int] = {}
     shown: Path | None = None
 
@@ -307,6 +309,10 @@ def logs(args: argparse.Namespace) -> int:
             if path != shown:
                 out.write(f"==> {path.name} <==\n".encode())
                 shown = path
+            if not shown_raw:
+                from supervisor.terminal import escape_controls
+
+                data = escape_controls(data)
             out.write(data if data.endswith(b"\n") else data + b"\n")
             out.flush()
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 from supervisor.activity import Topic
+from supervisor.cli.app import one_line
 from supervisor.cli.hints import hostcall_command, state_dir_flag
 from supervisor.logs import Passthrough
 from supervisor.supervisor import Supervisor
@@ -164,8 +165,9 @@ class Watch:
                 Passthrough.interposer = None
 
     def say(self, line: str) -> None:
-        """Print ``line`` (above the status line, if there is one)."""
-        self._out.say(line)
+        """Print ``line`` (above the status line, if there is one), inert: it
+        may quote what an operator typed (a reason) or a guest sent."""
+        self._out.say(one_line(line))
 
     async def _follow(self) -> None:
         with self._sup.activity.events.subscribe() as notices:

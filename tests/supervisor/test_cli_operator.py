@@ -42,6 +42,10 @@ def charge(account: str, cents: int) -> dict:
 @tool(reversibility="reversible")
 def boom(x: int) -> int:
     raise ValueError(f"no such thing as {x}")
+
+@tool(reversibility="reversible")
+def complain(text: str) -> str:
+    raise ValueError(f"cannot use {text}")
 """
 PLAN = """
 [plan]
@@ -56,6 +60,9 @@ handler = "op_tools:charge"
 
 [tools.boom]
 handler = "op_tools:boom"
+
+[tools.complain]
+handler = "op_tools:complain"
 """
 
 
@@ -388,6 +395,20 @@ def test_a_handler_that_raises_leaves_its_traceback_in_the_host_log_and_one_line
     verbose = hostcall("run", "-vv", "--state-dir", str(state), "--plan", str(plan_file), "--",
                        *guest_calls(("c2", "boom", {"x": 8})))  # fmt: skip
     assert "Traceback (most recent call last)" in verbose.stderr  # -vv shows it
+
+
+def test_what_a_guest_sent_reaches_the_operators_stderr_inert(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    """A handler's error may quote a guest's argument: its escape sequences
+    must not act on the operator's terminal, its newlines not forge lines."""
+    forged = "\x1b]0;owned\x07\x1b[2J\nhostcall: approval apr_x approved by operator"
+    done = hostcall("run", "--state-dir", str(tmp_path / "st"), "--plan", str(plan_file), "--",
+                    *guest_calls(("c1", "complain", {"text": forged})))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stderr and "\x07" not in done.stderr
+    assert "\\x1b]0;owned\\x07" in done.stderr
+    assert not [ln for ln in done.stderr.splitlines() if ln.startswith("hostcall: approval")]
 
 
 def test_on_a_terminal_a_status_line_shows_the_execution_and_its_calls(
