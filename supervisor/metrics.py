@@ -8,6 +8,8 @@ from typing import Any, Final
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from supervisor.tcp import serve_tcp
+
 __all__ = ["CONTENT_TYPE", "Metrics", "MetricsListener"]
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
@@ -120,16 +122,7 @@ class MetricsListener:
         """
         app = web.Application()
         app.router.add_get("/metrics", self._serve)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
-        await runner.setup()
-        site = web.TCPSite(runner, self._host, self.port, reuse_address=True)
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self.port = runner.addresses[0][1]  # the bound port, when 0 was asked for
+        self._runner, self.port = await serve_tcp(app, self._host, self.port)
 
     async def close(self) -> None:
         """Stop listening. Idempotent."""

@@ -76,13 +76,6 @@ def _limits(args: argparse.Namespace) -> Limits:
     )
 
 
-def _checked_store(args: argparse.Namespace, state_dir: Path) -> None:
-    try:
-        parse_store(args.store, state_dir)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
 class _CannotListen(HostcallError):
     code = "cannot_listen"
 
@@ -127,15 +120,25 @@ def run(args: argparse.Namespace) -> int:
         argv = argv[1:]
     if not argv:
         raise UsageError("give the guest's command after --: hostcall run --plan P -- CMD [ARG…]")
+    state_dir, limits, plan = _serving(args)
+    invocation_id = args.invocation or new_id("inv")
+    return run_main(_run(args, plan, argv, limits, state_dir, invocation_id))
+
+
+def _serving(args: argparse.Namespace) -> tuple[Path, Limits, Plan]:
+    """What ``run`` and ``serve`` check before a supervisor starts: the state
+    dir, the store setting, the limits and the plan.
+
+    Raises:
+        UsageError, PlanError: one of them is wrong (one line, exit 2).
+    """
     state_dir = state_dir_of(args)
-    _checked_store(args, state_dir)
     try:
+        parse_store(args.store, state_dir)
         limits = _limits(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    plan = Plan.load(args.plan)
-    invocation_id = args.invocation or new_id("inv")
-    return run_main(_run(args, plan, argv, limits, state_dir, invocation_id))
+    return state_dir, limits, Plan.load(args.plan)
 
 
 def _resume_hint(args: argparse.Namespace, argv: list[str], state_dir: Path, inv: str) -> str:
@@ -244,13 +247,7 @@ def _report(args: argparse.Namespace, outcome: RunOutcome) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """``hostcall serve``."""
-    state_dir = state_dir_of(args)
-    _checked_store(args, state_dir)
-    try:
-        limits = _limits(args)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    plan = Plan.load(args.plan)
+    state_dir, limits, plan = _serving(args)
     return run_main(_serve(args, plan, limits, state_dir))
 
 

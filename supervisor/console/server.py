@@ -50,6 +50,7 @@ from supervisor.activity import EventHub, Topic, notice_json
 from supervisor.addresses import Listen, parse_listen
 from supervisor.admin_client import AdminError, AsyncAdminClient, SupervisorNotRunning
 from supervisor.ids import is_valid_id
+from supervisor.tcp import serve_tcp
 
 __all__ = ["ConsoleServer", "Listen", "parse_listen"]
 
@@ -139,16 +140,7 @@ class ConsoleServer:
                 web.post("/api/approvals/{proposal_id}/{decision}", self._decide),
             ]
         )
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, self._listen.host, self._listen.port, reuse_address=True)
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self.port = runner.addresses[0][1]  # the bound port, when 0 was asked for
+        self._runner, self.port = await serve_tcp(app, self._listen.host, self._listen.port)
         for job in (self._follow(), self._sample()):
             task = asyncio.create_task(job)
             self._tasks.add(task)

@@ -817,8 +817,9 @@ def _private(database: Path) -> None:
                 os.chmod(path, 0o600)
 
 
-def read_invocations(path: Path) -> list[InvocationRecord]:
-    """Every invocation of a SQLite store no supervisor holds, read-only, oldest first.
+def _read_only(path: Path, op: Callable[[sqlite3.Connection], T]) -> T:
+    """``op`` on a read-only connection to a SQLite store no supervisor holds
+    (no recovery, no writer thread).
 
     Raises:
         StoreUnavailable: the file is missing or not a hostcall store.
@@ -828,28 +829,37 @@ def read_invocations(path: Path) -> list[InvocationRecord]:
     except sqlite3.Error as exc:
         raise StoreUnavailable(f"cannot read effect store {path}: {exc}") from exc
     try:
-        ids = conn.execute("SELECT invocation_id FROM invocations ORDER BY created_at")
-        return [r for (i,) in ids.fetchall() if (r := _get_invocation(conn, i)) is not None]
+        return op(conn)
     except sqlite3.Error as exc:
         raise StoreUnavailable(f"cannot read effect store {path}: {exc}") from exc
     finally:
         conn.close()
 
 
-def read_calls(path: Path, invocation_id: str) -> list[EffectRecord] | None:
-    """An invocation's records read from a SQLite store no supervisor holds.
-
-    Read-only (no recovery, no writer thread): for ``hostcall calls`` after a
-    run. ``None`` if the invocation is unknown.
+def read_invocations(path: Path) -> list[InvocationRecord]:
+    """Every invocation of a SQLite store no supervisor holds, oldest first
+    (``hostcall invocations`` after a run).
 
     Raises:
         StoreUnavailable: the file is missing or not a hostcall store.
     """
-    try:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-    except sqlite3.Error as exc:
-        raise StoreUnavailable(f"cannot read effect store {path}: {exc}") from exc
-    try:
+
+    def op(conn: sqlite3.Connection) -> list[InvocationRecord]:
+        ids = conn.execute("SELECT invocation_id FROM invocations ORDER BY created_at")
+        return [r for (i,) in ids.fetchall() if (r := _get_invocation(conn, i)) is not None]
+
+    return _read_only(path, op)
+
+
+def read_calls(path: Path, invocation_id: str) -> list[EffectRecord] | None:
+    """An invocation's records read from a SQLite store no supervisor holds
+    (``hostcall calls`` after a run). ``None`` if the invocation is unknown.
+
+    Raises:
+        StoreUnavailable: the file is missing or not a hostcall store.
+    """
+
+    def op(conn: sqlite3.Connection) -> list[EffectRecord] | None:
         if _get_invocation(conn, invocation_id) is None:
             return None
         rows = conn.execute(
@@ -858,7 +868,5 @@ def read_calls(path: Path, invocation_id: str) -> list[EffectRecord] | None:
             (invocation_id,),
         ).fetchall()
         return [r for row in rows if (r := _effect(row)) is not None]
-    except sqlite3.Error as exc:
-        raise StoreUnavailable(f"cannot read effect store {path}: {exc}") from exc
-    finally:
-        conn.close()
+
+    return _read_only(path, op)
