@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         ProposalNotFound,
         ProposalNotWaiting,
     )
+    from supervisor.budget import BudgetLimits
     from supervisor.errors import (
         EffectOutcomeUnknown,
         HostcallError,
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
         StoreUnavailable,
     )
     from supervisor.limits import Limits
-    from supervisor.plan import BudgetLimits, Plan
+    from supervisor.plan import Plan
     from supervisor.sandbox import SandboxPolicy
     from supervisor.stores import (
         EffectStore,
@@ -87,7 +88,7 @@ _WHERE = {
     "StateDirBusy": "supervisor.errors",
     "StoreUnavailable": "supervisor.errors",
     "Limits": "supervisor.limits",
-    "BudgetLimits": "supervisor.plan",
+    "BudgetLimits": "supervisor.budget",
     "Plan": "supervisor.plan",
     "SandboxPolicy": "supervisor.sandbox",
     "EffectStore": "supervisor.stores",

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from supervisor.receipts import utc_timestamp
+from supervisor.timestamps import utc_timestamp
 
 __all__ = ["Activity", "CallEntry", "CallJournal", "EventHub", "Subscription", "Topic"]
 

@@ -16,29 +16,29 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from aiohttp import web
 
 from channel.connections import ChannelConnection, ChannelListener
 from channel.peer import peer_credentials, still_alive
 from channel.wire import is_valid_id, parse_strict_json
-from supervisor.activity import notice_json
-from supervisor.approvals import ProposalNotFound, ProposalNotWaiting
+from supervisor.activity import Activity, notice_json
+from supervisor.approvals import ApprovalController, ProposalNotFound, ProposalNotWaiting
 from supervisor.errors import HostcallError, Refusal
+from supervisor.executions import Execution
 from supervisor.gc import collect
-from supervisor.metrics import CONTENT_TYPE
-from supervisor.receipts import utc_timestamp
+from supervisor.metrics import CONTENT_TYPE, Metrics
+from supervisor.plan import Plan
 from supervisor.sockets import reachable_path
-from supervisor.stores.base import EffectRecord, InvocationRecord, budget_left
+from supervisor.statedir import StateDir
+from supervisor.stores.base import EffectRecord, EffectStore, InvocationRecord, budget_left
+from supervisor.timestamps import utc_timestamp
 from supervisor.views import calls_from_receipts, log_tails, verify_receipts
 
-if TYPE_CHECKING:
-    from supervisor.supervisor import Supervisor
-
-__all__ = ["AdminServer", "record_json"]
+__all__ = ["AdminPort", "AdminServer", "record_json"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +80,55 @@ def record_json(record: EffectRecord) -> dict[str, Any]:
     }
 
 
+class AdminPort(Protocol):
+    """What the admin API needs of the supervisor it serves (``Supervisor`` is one)."""
+
+    @property
+    def state(self) -> StateDir: ...
+
+    @property
+    def store(self) -> EffectStore: ...
+
+    @property
+    def approvals(self) -> ApprovalController: ...
+
+    @property
+    def activity(self) -> Activity: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def served_plan(self) -> Plan | None: ...
+
+    def plan_for(self, plan_hash: str) -> Plan | None: ...
+
+    def execution(self, execution_id: str) -> Execution | None: ...
+
+    def executions(self, invocation_id: str | None = None) -> list[Execution]: ...
+
+    def guest_of(self, pid: int) -> str | None: ...
+
+    def cancel(self, execution_id: str) -> bool: ...
+
+    async def wait_stopped(self, execution_id: str) -> bool: ...
+
+    async def revoke(self, invocation_id: str, tool: str) -> None: ...
+
+    async def launch(
+        self,
+        argv: Sequence[str],
+        *,
+        invocation_id: str | None = None,
+        timeout_s: float | None = None,
+        plan: Plan | None = None,
+    ) -> Execution: ...
+
+
 class AdminServer:
     """Serves the admin API of one supervisor."""
 
-    def __init__(self, supervisor: Supervisor, path: Path) -> None:
+    def __init__(self, supervisor: AdminPort, path: Path) -> None:
         self._sup = supervisor
         self.path = path
         self._runner: web.AppRunner | None = None

@@ -23,7 +23,7 @@ from typing import Any, Final, Literal, Protocol
 
 from supervisor.errors import HostcallError
 from supervisor.ids import new_id
-from supervisor.receipts import utc_timestamp
+from supervisor.timestamps import utc_timestamp
 
 __all__ = [
     "TRANSITIONS",

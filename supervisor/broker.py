@@ -1,9 +1,11 @@
 """The broker: one per execution, every call of that execution goes through it.
 
-The pipeline of SPEC §5, in its order: plan lookup, canonicalize, replay
-check, target args, budget, approval, BeginDispatch, handler, result and
-receipt. Decisions are made by pure functions (:func:`decide_replay`,
-:func:`budget_allows`); this module loads, decides, persists and acts.
+The pipeline (docs/protocol.md, "The call pipeline"), in its order: plan
+lookup, canonicalize, replay check, target args, budget, approval,
+BeginDispatch, handler, result and receipt. Every decision is a pure
+function's — :mod:`supervisor.replay`, :mod:`supervisor.admission`,
+:mod:`supervisor.budget` — and this module only loads, asks, persists and
+acts, whatever transport brought the call.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from pydantic import BaseModel, ValidationError
 
 from channel.wire import CallReply
 from supervisor.activity import MAX_ARGS_BYTES, Activity, CallEntry
+from supervisor.admission import (
+    budget_refusal,
+    claim_refusal,
+    decision_refusal,
+    reused_refusal,
+    target_refusal,
+)
 from supervisor.approvals import ApprovalGate, ApprovalTicket, ProposalRequest
 from supervisor.canonical import idempotency_key_sized, jcs, sha256_hex
 from supervisor.errors import Refusal, StoreUnavailable
@@ -233,7 +242,7 @@ class Broker:
         # instead of reserving budget or opening a proposal of its own.
         while (joined := self._admissions.get(call.call_id)) is not None:
             if (joined.tool, joined.key) != (call.tool.name, call.key):
-                raise Refusal("call_id_reused", _REUSED_MESSAGE)
+                raise reused_refusal()
             settled = await asyncio.shield(joined.settled)
             if settled is not None:
                 return _outcome_of(settled)
@@ -277,87 +286,73 @@ class Broker:
         )
 
     async def _admit(self, call: _Call, admission: _Admission) -> _Outcome | ApprovalTicket | None:
-        """Steps 5-9. Returns an outcome, or (the ticket of) a call that won BeginDispatch."""
-        if not self.plan.needs_approval(call.tool):
-            return await self._admit_directly(call)
-        record = await self.store.get(self.invocation_id, call.call_id)
-        early = self._replay_outcome(call, record)
-        if early is not None:
-            return early
-        target = _target_refusal(call)
-        if target is not None:
-            raise target
-        if self.deadline_at is not None and self.clock() >= self.deadline_at:
-            raise Refusal("budget_exhausted", _DEADLINE_MESSAGE)
-        limits = self.plan.budget
-        if not await self.store.reserve(self.invocation_id, call.tool.name, call.tool.cost, limits):
-            raise Refusal("budget_exhausted", _BUDGET_MESSAGE)
-        dispatched = False
-        try:
-            ticket = await self._approve(call, admission)
-            # BeginDispatch: the liveness check and the approval claim happen in
-            # one synchronous step (nothing interleaves), then the store's
-            # atomic insert. A cancel or expiry after this point cannot stop it.
-            blocked = self.dispatch_blocker()
-            if blocked is not None:
-                raise blocked
-            if ticket is not None:
-                claimed = ticket.claim_dispatch()
-                if claimed != "dispatched":
-                    lapsed = Refusal(
-                        *(
-                            ("approval_expired", "the approval lapsed before dispatch")
-                            if claimed == "expired"
-                            else ("cancelled", "the call was cancelled before dispatch")
-                        )
-                    )
-                    lapsed.approval_id = ticket.approval_id
-                    raise lapsed
-            crash_point("before_begin")
-            begun = await self.store.begin(self._start(call), self.clock())
-            if not begun.won:
-                # Another request (or replica) got there first: answer from its record.
-                lost = self._replay_outcome(call, begun.record)
-                assert lost is not None
-                return lost
-            dispatched = True
-            crash_point("after_begin")
-            return ticket
-        finally:
-            if not dispatched:
-                await self.store.refund(self.invocation_id, call.tool.name, call.tool.cost)
+        """Steps 5-9, in their order; the decisions are :mod:`supervisor.admission`'s.
 
-    async def _admit_directly(self, call: _Call) -> _Outcome | None:
-        """Steps 5-9 for a call that needs no approval: nothing waits between the
-        budget and BeginDispatch, so the replay check, the budget charge and the
-        pending insert are one atomic store operation (one fsync)."""
-        target = _target_refusal(call)
-        if target is not None:
-            # SPEC order: the replay check comes before the target check.
-            early = self._replay_outcome(
+        Returns an outcome (answered without running anything), or the ticket
+        (``None`` without approval) of a call that won BeginDispatch. A call
+        that needs no approval has nothing between its budget and
+        BeginDispatch, so its replay check, budget charge and ``pending``
+        insert are one atomic store operation (one fsync); the replay check
+        still comes first where a refusal would otherwise precede it.
+        """
+        tool = call.tool
+        approval = self.plan.needs_approval(tool)
+        target = target_refusal(tool.name, tool.reversibility, tool.target_args, call.args)
+        if approval or target is not None:
+            early = self._replay_outcome(  # step 5 on its own
                 call, await self.store.get(self.invocation_id, call.call_id)
             )
             if early is not None:
                 return early
-            raise target
+            if target is not None:  # step 6
+                raise target
+        if not approval:
+            return await self._begin_dispatch(
+                call, None, Charge(tool.name, tool.cost, self.plan.budget, self.deadline_at)
+            )
+        if self.deadline_at is not None and self.clock() >= self.deadline_at:  # step 7
+            raise budget_refusal("deadline")
+        if not await self.store.reserve(self.invocation_id, tool.name, tool.cost, self.plan.budget):
+            raise budget_refusal("limits")
+        dispatched = False
+        try:
+            ticket = await self._approve(call, admission)  # step 8
+            outcome = await self._begin_dispatch(call, ticket, None)
+            dispatched = outcome is ticket
+            return outcome
+        finally:
+            if not dispatched:  # the reservation goes back: it never reached dispatch
+                await self.store.refund(self.invocation_id, tool.name, tool.cost)
+
+    async def _begin_dispatch(
+        self, call: _Call, ticket: ApprovalTicket | None, charge: Charge | None
+    ) -> _Outcome | ApprovalTicket | None:
+        """Step 9, the linearization point: the liveness check and the approval
+        claim in one synchronous step (nothing interleaves), then the store's
+        atomic insert (with ``charge``, the budget in the same step). Returns
+        ``ticket`` if the call won; an outcome if another request (or replica)
+        had a record. A cancel or expiry after this point cannot stop it.
+
+        Raises:
+            Refusal: not live, the approval lapsed, or (with ``charge``) the budget.
+        """
         blocked = self.dispatch_blocker()
         if blocked is not None:
             raise blocked
+        if ticket is not None:
+            lapsed = claim_refusal(ticket.claim_dispatch(), ticket.approval_id)
+            if lapsed is not None:
+                raise lapsed
         crash_point("before_begin")
-        tool = call.tool
-        begun = await self.store.begin(
-            self._start(call),
-            self.clock(),
-            Charge(tool.name, tool.cost, self.plan.budget, self.deadline_at),
-        )
+        begun = await self.store.begin(self._start(call), self.clock(), charge)
         if begun.won:
             crash_point("after_begin")
-            return None
+            return ticket
         early = self._replay_outcome(call, begun.record)
         if early is not None:
             return early
-        deadline = begun.exhausted == "deadline"
-        raise Refusal("budget_exhausted", _DEADLINE_MESSAGE if deadline else _BUDGET_MESSAGE)
+        # Only a charge can lose without a record to answer from: it did not fit.
+        raise budget_refusal("deadline" if begun.exhausted == "deadline" else "limits")
 
     def _dispatch_done(self, call_id: str) -> None:
         self._dispatched.pop(call_id, None)
@@ -369,13 +364,12 @@ class Broker:
         if decision.action is Replay.CONTINUE:
             return None
         if decision.action is Replay.REUSED:
-            raise Refusal("call_id_reused", _REUSED_MESSAGE)
+            raise reused_refusal()
         assert record is not None
         return _outcome_of(_reply_for_record(record))
 
-    async def _approve(self, call: _Call, admission: _Admission) -> ApprovalTicket | None:
-        if not self.plan.needs_approval(call.tool):
-            return None
+    async def _approve(self, call: _Call, admission: _Admission) -> ApprovalTicket:
+        """Step 8: open a proposal and wait, within its lease, for the decision."""
         admission.awaiting_approval = True
         try:
             ticket = await self.approvals.request(
@@ -392,15 +386,8 @@ class Broker:
             )
         finally:
             admission.awaiting_approval = False
-        refusal: Refusal | None = None
-        if ticket.decision == "rejected":
-            refusal = Refusal("approval_rejected", "an operator rejected this call")
-        elif ticket.decision == "expired":
-            refusal = Refusal("approval_expired", "no decision was made before the approval lapsed")
-        elif ticket.decision != "approved":
-            refusal = Refusal("cancelled", "the call was cancelled before dispatch")
+        refusal = decision_refusal(ticket.decision, ticket.approval_id)
         if refusal is not None:
-            refusal.approval_id = ticket.approval_id  # the receipt names the proposal
             raise refusal
         return ticket
 
@@ -483,7 +470,7 @@ class Broker:
         try:
             # The record and its receipt: one transaction where the store journals receipts.
             await self.receipts.commit(
-                self.store, self.invocation_id, call.call_id, reply.to_json(), self.clock(), receipt
+                self.invocation_id, call.call_id, reply.to_json(), self.clock(), receipt
             )
         except StoreUnavailable as exc:
             # It ran, but we could not record it: the row stays pending and
@@ -536,21 +523,6 @@ class Broker:
             started_at=started_at,
             finished_at=self.clock(),
         )
-
-
-_REUSED_MESSAGE: Final = "this call_id was used before with another tool or other arguments"
-_BUDGET_MESSAGE: Final = "the invocation's budget would be exceeded"
-_DEADLINE_MESSAGE: Final = "the invocation's deadline has passed"
-
-
-def _target_refusal(call: _Call) -> Refusal | None:
-    """SPEC §5.6: an irreversible tool with ``target_args`` needs one of them set."""
-    tool = call.tool
-    if tool.reversibility != "irreversible" or not tool.target_args:
-        return None
-    if any(call.args.get(name) not in (None, "", [], {}) for name in tool.target_args):
-        return None
-    return Refusal("target_required", f"{tool.name} needs one of {list(tool.target_args)}")
 
 
 def _key_of(tool: str, canonical_args: dict[str, Any]) -> tuple[str, int]:

@@ -16,8 +16,8 @@ from supervisor.broker import Broker
 from supervisor.errors import Refusal
 from supervisor.limits import EndReason, Limits
 from supervisor.outcomes import ExecutionOutcome
-from supervisor.receipts import utc_timestamp
 from supervisor.spawn import GuestProcess
+from supervisor.timestamps import utc_timestamp
 
 __all__ = ["Execution", "ExecutionState", "ExecutionTable"]
 

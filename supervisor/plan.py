@@ -7,28 +7,18 @@ import importlib
 import sys
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from supervisor.budget import BudgetLimits
 from supervisor.canonical import jcs, sha256_hex
 from supervisor.errors import PlanError
 from supervisor.sandbox.policy import SandboxPolicy
 from supervisor.tools import Tool, ToolOptions
 
 __all__ = ["BudgetLimits", "Plan"]
-
-
-@dataclass(frozen=True, slots=True)
-class BudgetLimits:
-    """An invocation's budget (SPEC §5.7); ``None`` means no limit."""
-
-    max_calls: int | None = None
-    max_cost: float | None = None
-    deadline_s: float | None = None
-    tool_max_calls: Mapping[str, int] | None = None
 
 
 class _ToolSection(BaseModel):

@@ -1,56 +1,41 @@
-"""Receipts: one hash-chained JSON line per call that reached a broker (SPEC §8).
+"""Receipts: one hash-chained JSON line per call that reached a broker
+(docs/approvals.md, "Receipts"). The chain itself, no I/O but reading a file.
 
 ``hash = sha256(JCS(receipt without hash))`` and ``prev_hash`` is the previous
 line's ``hash`` (64 zeros for the first), so changing, removing or reordering a
 line breaks the chain.
 
-Two writers: :class:`ReceiptLog` chains lines in the order :meth:`~ReceiptLog.record`
-is called and fsyncs the file itself (writes queued while one is being flushed
-share its fsync); :class:`JournaledReceipts` lets the SQLite store chain and
-journal them in the transactions that record the calls, so a call costs one
-fsync, not two (:mod:`supervisor.stores.journal`).
+Who writes them is the effect store's business (``EffectStore.receipts``): a
+:class:`~supervisor.receipt_files.ReceiptLog` chains and fsyncs the file
+itself; the SQLite store journals each line in the transaction that records
+its call, one fsync for both (:mod:`supervisor.stores.journal`). Both are
+:class:`Receipts`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import datetime
+import enum
 import json
-import logging
-import os
-import weakref
 from collections.abc import Generator, Iterator, Mapping
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 from supervisor.canonical import jcs, sha256_hex
-from supervisor.errors import StoreUnavailable
 from supervisor.ids import new_id
-
-if TYPE_CHECKING:
-    from supervisor.stores.base import EffectStore
-    from supervisor.stores.sqlite import SQLiteEffectStore
+from supervisor.timestamps import utc_timestamp
 
 __all__ = [
     "GENESIS_HASH",
     "ChainError",
-    "JournaledReceipts",
-    "ReceiptLog",
+    "ReceiptOutcome",
     "Receipts",
-    "append_to",
-    "fsync_path",
-    "last_hash",
     "make_receipt",
     "read_receipts",
     "seal",
-    "utc_timestamp",
     "verify_chain",
 ]
-
-logger = logging.getLogger(__name__)
 
 GENESIS_HASH: Final = "0" * 64
 _FIELDS: Final = (
@@ -71,36 +56,6 @@ _FIELDS: Final = (
     "hash",
 )
 _FIELD_SET: Final = frozenset(_FIELDS)
-
-
-def utc_timestamp(seconds: float) -> str:
-    """RFC 3339 UTC with microseconds, as receipts and the CLI print times."""
-    moment = datetime.datetime.fromtimestamp(seconds, tz=datetime.UTC)
-    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-def last_hash(path: Path) -> str:
-    """The ``hash`` of the file's last line, reading only its tail."""
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            chunk = 4096
-            while True:
-                start = max(0, size - chunk)
-                f.seek(start)
-                tail = f.read(size - start)
-                lines = tail.rstrip(b"\n").split(b"\n")
-                if len(lines) > 1 or start == 0:
-                    last = lines[-1]
-                    break
-                chunk *= 2
-    except FileNotFoundError:
-        return GENESIS_HASH
-    if not last.strip():
-        return GENESIS_HASH
-    value = json.loads(last)["hash"]
-    return str(value)
 
 
 def make_receipt(
@@ -147,9 +102,20 @@ def seal(receipt: Mapping[str, Any], prev_hash: str) -> tuple[bytes, str]:
     return line, digest
 
 
+class ReceiptOutcome(enum.StrEnum):
+    """What a receipt says happened to its call (its ``outcome``)."""
+
+    EXECUTED = "executed"
+    REPLAYED = "replayed"
+    REFUSED = "refused"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    RESULT_INVALID = "result_invalid"
+
+
 class Receipts(Protocol):
-    """Where one invocation's receipts go: :class:`ReceiptLog` (the file,
-    fsync'd) or :class:`JournaledReceipts` (the SQLite store's transactions)."""
+    """Where one invocation's receipts go: its store's writer of its file
+    (``EffectStore.receipts``)."""
 
     path: Path
 
@@ -159,166 +125,20 @@ class Receipts(Protocol):
 
     async def commit(
         self,
-        store: EffectStore,
         invocation_id: str,
         call_id: str,
         response: Mapping[str, Any],
         now: float,
         receipt: dict[str, Any],
     ) -> None:
-        """Commit a dispatched call's record, then record its receipt.
+        """Commit a dispatched call's record in the store, and record its receipt
+        (in the same transaction where the store journals receipts).
 
         Raises:
             StoreUnavailable: the record was not committed (and the receipt
                 not recorded): the caller records an ``unknown`` one instead.
         """
         ...
-
-
-class ReceiptLog:
-    """The receipt file of one invocation, shared by all its executions.
-
-    With ``fsync`` (stores that survive the process), :meth:`record` returns
-    once its line is on disk; without it (the memory store, whose records do
-    not survive the process either) once the line is written to the file.
-    """
-
-    def __init__(self, path: Path, executor: Executor | None = None, *, fsync: bool = True) -> None:
-        self.path = path
-        self._executor = executor  # None: the loop's default pool
-        self._fsync = fsync
-        self._prev_hash: str | None = None
-        self._queue: list[tuple[bytes, asyncio.Future[None]]] = []
-        self._flusher: asyncio.Task[None] | None = None
-        self._fd: int | None = None  # opened on the first write, closed with the log
-        self._folder_synced = False
-
-    async def append(self, **fields: Any) -> str:
-        """Chain and durably write one receipt (fields of :func:`make_receipt`);
-        returns its ``receipt_id``."""
-        receipt = make_receipt(**fields)
-        await self.record(receipt)
-        return str(receipt["receipt_id"])
-
-    async def record(self, receipt: dict[str, Any]) -> None:
-        if self._prev_hash is None:
-            # Read synchronously: an await here would let a second append read
-            # the same tail and fork the chain. It reads one small tail, once.
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._prev_hash = last_hash(self.path)
-        line, self._prev_hash = seal(receipt, self._prev_hash)
-        if not self._fsync:
-            self._write(line)  # a page-cache write, in chain order: no thread hop
-            return
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append((line, done))
-        if self._flusher is None:
-            self._flusher = asyncio.create_task(self._flush())
-        await asyncio.shield(done)
-
-    async def commit(
-        self,
-        store: EffectStore,
-        invocation_id: str,
-        call_id: str,
-        response: Mapping[str, Any],
-        now: float,
-        receipt: dict[str, Any],
-    ) -> None:
-        await store.commit(invocation_id, call_id, response, now)
-        await self.record(receipt)
-
-    async def _flush(self) -> None:
-        try:
-            while self._queue:
-                batch, self._queue = self._queue, []
-                await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._write, b"".join(line for line, _ in batch)
-                )
-                for _, done in batch:
-                    if not done.done():
-                        done.set_result(None)
-        finally:
-            self._flusher = None
-
-    def _write(self, data: bytes) -> None:
-        try:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-                weakref.finalize(self, os.close, self._fd)
-            _write_all(self._fd, data)
-            if self._fsync:
-                os.fsync(self._fd)
-                if not self._folder_synced:  # the new file's entry in its folder, once
-                    fsync_path(self.path.parent)
-                    self._folder_synced = True
-        except OSError as exc:
-            _cannot_write(self.path, exc)
-
-
-def append_to(path: Path, data: bytes, *, fsync: bool) -> None:
-    """Append ``data`` to ``path`` (created ``0600``), all of it, then fsync."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        _write_all(fd, data)
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_path(path: str | Path) -> None:
-    """fsync a file or folder by name (a folder: the entries of new files)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _cannot_write(path: Path, exc: OSError) -> None:
-    # The calls themselves are recorded in the effect store; an audit line we
-    # could not write must at least be loud.
-    logger.error("cannot write receipts to %s: %s", path, exc)
-
-
-class JournaledReceipts:
-    """Receipts written through the SQLite store (SPEC §8, one fsync per call).
-
-    The store chains each receipt and journals its line in the transaction
-    that records the call (a committed call's receipt shares its commit), then
-    appends it to the file; the file is fsync'd and the journal trimmed in the
-    background, and a store that opens after a crash first completes the file
-    from the journal. See :mod:`supervisor.stores.journal`.
-    """
-
-    def __init__(self, path: Path, store: SQLiteEffectStore) -> None:
-        self.path = path
-        self._store = store
-
-    async def record(self, receipt: dict[str, Any]) -> None:
-        try:
-            await self._store.record_receipt(self.path, receipt)
-        except StoreUnavailable as exc:
-            logger.error("cannot record a receipt for %s: %s", self.path, exc)
-
-    async def commit(
-        self,
-        store: EffectStore,
-        invocation_id: str,
-        call_id: str,
-        response: Mapping[str, Any],
-        now: float,
-        receipt: dict[str, Any],
-    ) -> None:
-        entry = (self.path, receipt)
-        await self._store.commit(invocation_id, call_id, response, now, receipt=entry)
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,11 +53,11 @@ from supervisor.process import (
     wait_exited,
 )
 from supervisor.protection import protect_process
-from supervisor.receipts import JournaledReceipts, ReceiptLog, Receipts
+from supervisor.receipts import Receipts
 from supervisor.sandbox import GUEST_SOCKET, SandboxHost
 from supervisor.spawn import GuestProcess
 from supervisor.statedir import StateDir
-from supervisor.stores import EffectStore, SQLiteEffectStore, store_from_spec
+from supervisor.stores import EffectStore, store_from_spec
 from supervisor.terminal import StdinRelay, is_terminal
 from supervisor.tracking import TreeTracker, become_subreaper
 
@@ -225,11 +225,8 @@ class Supervisor:
                 idle_timeout_s=self._idle_timeout_s,
             )
             await self._channel.start()
-            if isinstance(self._store, SQLiteEffectStore):
-                # A request alone has nothing to share a transaction with:
-                # run its store operations without the hop to the writer.
-                channel = self._channel
-                self._store.inline_when = lambda: channel.active_requests <= 1
+            channel = self._channel
+            self._store.set_load_hint(lambda: channel.active_requests)
             cgroups = None
             if sandbox_host is not None:
                 cgroups = await asyncio.to_thread(CgroupHost.detect)
@@ -375,7 +372,7 @@ class Supervisor:
             if receipts is None:
                 # One writer per file, even while an ended execution's handler
                 # still finishes: the chain must never fork.
-                receipts = self._receipt_logs[str(path)] = self._receipts_at(path)
+                receipts = self._receipt_logs[str(path)] = self.store.receipts(path, self._executor)
             invocation = _Invocation(
                 plan,
                 receipts,
@@ -387,12 +384,6 @@ class Supervisor:
             )
             self._invocations[invocation_id] = invocation
         return invocation
-
-    def _receipts_at(self, path: Path) -> Receipts:
-        store = self.store
-        if isinstance(store, SQLiteEffectStore):  # receipts share its transactions
-            return JournaledReceipts(path, store)
-        return ReceiptLog(path, self._executor, fsync=store.durable)
 
     def _new_execution(
         self, plan: Plan, invocation_id: str, invocation: _Invocation, digest: bytes

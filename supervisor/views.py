@@ -16,7 +16,8 @@ from typing import Any, Final
 
 from supervisor.audit import audit_receipts, effects_for
 from supervisor.errors import StoreUnavailable
-from supervisor.receipts import ChainError, read_receipts, utc_timestamp
+from supervisor.receipts import ChainError, read_receipts
+from supervisor.timestamps import utc_timestamp
 
 __all__ = ["calls_from_receipts", "log_tails", "verify_receipts"]
 

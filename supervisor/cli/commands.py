@@ -157,8 +157,8 @@ def _budget_text(budget: dict[str, Any] | None) -> str:
 
 
 def _offline_invocations(state_dir: Path, store: str | None) -> list[dict[str, Any]]:
-    from supervisor.receipts import utc_timestamp
-    from supervisor.stores.sqlite import read_invocations
+    from supervisor.stores import read_invocations
+    from supervisor.timestamps import utc_timestamp
 
     return [
         {
@@ -221,7 +221,7 @@ def calls(args: argparse.Namespace) -> int:
         records = AdminClient(state_dir).request("GET", f"/v1/invocations/{args.invocation}/calls")
     except SupervisorNotRunning:
         from supervisor.admin import record_json
-        from supervisor.stores.sqlite import read_calls
+        from supervisor.stores import read_calls
 
         offline = read_calls(_sqlite_path(state_dir, args.store), args.invocation)
         records = None if offline is None else [record_json(r) for r in offline]

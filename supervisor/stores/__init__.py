@@ -16,7 +16,7 @@ from supervisor.stores.base import (
 )
 from supervisor.stores.memory import MemoryEffectStore
 from supervisor.stores.postgres import PostgresEffectStore
-from supervisor.stores.sqlite import SQLiteEffectStore
+from supervisor.stores.sqlite import SQLiteEffectStore, read_calls, read_invocations
 from supervisor.storespec import parse_store
 
 __all__ = [
@@ -31,6 +31,8 @@ __all__ = [
     "PostgresEffectStore",
     "SQLiteEffectStore",
     "StartCall",
+    "read_calls",
+    "read_invocations",
     "store_from_spec",
 ]
 

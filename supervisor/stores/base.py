@@ -8,11 +8,21 @@ caller, in every process that shares the store.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Final, Literal, Protocol
+from pathlib import Path
+from typing import Any, Literal, Protocol
 
-from supervisor.plan import BudgetLimits
+from supervisor.budget import (
+    BudgetLimits,
+    BudgetUse,
+    Charge,
+    budget_allows,
+    budget_left,
+    charge_refusal,
+)
+from supervisor.receipts import Receipts
 
 __all__ = [
     "Begun",
@@ -103,29 +113,6 @@ class Begun:
 
 
 @dataclass(frozen=True, slots=True)
-class Charge:
-    """Budget that ``begin`` takes in the same atomic step as its insert.
-
-    The broker passes one when nothing (no approval) stands between the budget
-    and BeginDispatch: one transaction, one fsync, instead of two.
-    """
-
-    tool: str
-    cost: float
-    limits: BudgetLimits
-    deadline_at: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class BudgetUse:
-    """What an invocation has used so far, over all its executions."""
-
-    calls: int = 0
-    cost: float = 0.0
-    tool_calls: Mapping[str, int] | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class InvocationRecord:
     """An invocation: its plan, when its deadline passes and its budget use."""
 
@@ -134,50 +121,6 @@ class InvocationRecord:
     created_at: float
     deadline_at: float | None
     used: BudgetUse
-
-
-_COST_EPSILON: Final = 1e-9
-
-
-def charge_refusal(
-    charge: Charge | None, used: BudgetUse | None, now: float
-) -> Literal["limits", "deadline"] | None:
-    """Why ``charge`` cannot be taken now (``None``: it fits, or there is none)."""
-    if charge is None:
-        return None
-    if charge.deadline_at is not None and now >= charge.deadline_at:
-        return "deadline"
-    if used is None or not budget_allows(charge.limits, used, charge.tool, charge.cost):
-        return "limits"
-    return None
-
-
-def budget_allows(limits: BudgetLimits, used: BudgetUse, tool: str, cost: float) -> bool:
-    """Whether one more call of ``tool`` costing ``cost`` fits the budget."""
-    if limits.max_calls is not None and used.calls + 1 > limits.max_calls:
-        return False
-    # Costs are floats: 0.1 + 0.2 must fit a max_cost of 0.3.
-    if limits.max_cost is not None and used.cost + cost > limits.max_cost + _COST_EPSILON:
-        return False
-    tool_limit = (limits.tool_max_calls or {}).get(tool)
-    tool_used = (used.tool_calls or {}).get(tool, 0)
-    return tool_limit is None or tool_used + 1 <= tool_limit
-
-
-def budget_left(
-    limits: BudgetLimits, used: BudgetUse | None, deadline_at: float | None
-) -> dict[str, Any]:
-    """The budget as ``GET /v1/plan`` shows it (SPEC §4.2): each limit, what
-    is left of it, the deadline; ``None`` for a limit that is not set."""
-    calls = used.calls if used is not None else 0
-    cost = used.cost if used is not None else 0.0
-    return {
-        "max_calls": limits.max_calls,
-        "calls_left": None if limits.max_calls is None else max(0, limits.max_calls - calls),
-        "max_cost": limits.max_cost,
-        "cost_left": None if limits.max_cost is None else max(0.0, limits.max_cost - cost),
-        "deadline_at": deadline_at,
-    }
 
 
 class EffectStore(Protocol):
@@ -201,6 +144,18 @@ class EffectStore(Protocol):
     @property
     def durable(self) -> bool:
         """Whether records survive the process (receipts are fsync'd if so)."""
+        ...
+
+    def receipts(self, path: Path, executor: Executor | None) -> Receipts:
+        """The writer of the receipt file at ``path`` for calls recorded here:
+        one per file and process (the caller keeps it), its lines chained in
+        the order they are given, durable as this store's records are.
+        ``executor`` runs its blocking file writes."""
+        ...
+
+    def set_load_hint(self, active_requests: Callable[[], int]) -> None:
+        """Learn how many requests the supervisor serves at the moment: a store
+        may skip batching when one is alone (nothing to share a commit with)."""
         ...
 
     async def open(self) -> int:

@@ -27,12 +27,14 @@ import os
 import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, Protocol
 
+from supervisor.errors import StoreUnavailable
 from supervisor.faults import crash_point
-from supervisor.receipts import GENESIS_HASH, append_to, fsync_path, last_hash, seal
+from supervisor.receipt_files import append_to, fsync_path, last_hash
+from supervisor.receipts import GENESIS_HASH, seal
 
-__all__ = ["CHECKPOINT_ROWS", "JOURNAL_SCHEMA", "Line", "ReceiptJournal"]
+__all__ = ["CHECKPOINT_ROWS", "JOURNAL_SCHEMA", "JournaledReceipts", "Line", "ReceiptJournal"]
 
 logger = logging.getLogger(__name__)
 
@@ -290,3 +292,51 @@ def _is_receipt(line: bytes) -> bool:
     except ValueError:
         return False
     return isinstance(value, dict) and isinstance(value.get("hash"), str)
+
+
+class JournalingStore(Protocol):
+    """What :class:`JournaledReceipts` needs of its store (the SQLite one)."""
+
+    async def record_receipt(self, path: Path, receipt: Mapping[str, Any]) -> None: ...
+
+    async def commit(
+        self,
+        invocation_id: str,
+        call_id: str,
+        response: Mapping[str, Any],
+        now: float,
+        *,
+        receipt: tuple[Path, Mapping[str, Any]] | None = None,
+    ) -> None: ...
+
+
+class JournaledReceipts:
+    """Receipts written through the SQLite store (SPEC §8, one fsync per call).
+
+    The store chains each receipt and journals its line in the transaction
+    that records the call (a committed call's receipt shares its commit), then
+    appends it to the file; the file is fsync'd and the journal trimmed in the
+    background, and a store that opens after a crash first completes the file
+    from the journal. See :mod:`supervisor.stores.journal`.
+    """
+
+    def __init__(self, path: Path, store: JournalingStore) -> None:
+        self.path = path
+        self._store = store
+
+    async def record(self, receipt: dict[str, Any]) -> None:
+        try:
+            await self._store.record_receipt(self.path, receipt)
+        except StoreUnavailable as exc:
+            logger.error("cannot record a receipt for %s: %s", self.path, exc)
+
+    async def commit(
+        self,
+        invocation_id: str,
+        call_id: str,
+        response: Mapping[str, Any],
+        now: float,
+        receipt: dict[str, Any],
+    ) -> None:
+        entry = (self.path, receipt)
+        await self._store.commit(invocation_id, call_id, response, now, receipt=entry)

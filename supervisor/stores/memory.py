@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from supervisor.plan import BudgetLimits
+from supervisor.budget import BudgetLimits
+from supervisor.receipt_files import ReceiptLog
+from supervisor.receipts import Receipts
 from supervisor.stores.base import (
     Begun,
     BudgetUse,
@@ -34,6 +38,12 @@ class MemoryEffectStore:
         self._records: dict[tuple[str, str], EffectRecord] = {}
         self._invocations: dict[str, InvocationRecord] = {}
         self._revoked: dict[str, set[str]] = {}
+
+    def receipts(self, path: Path, executor: Executor | None) -> Receipts:
+        return ReceiptLog(path, executor, fsync=False, commit=self.commit)
+
+    def set_load_hint(self, active_requests: Callable[[], int]) -> None:
+        return None  # one lock: nothing to batch
 
     async def open(self) -> int:
         with self._lock:

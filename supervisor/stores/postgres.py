@@ -29,16 +29,19 @@ import socket
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias
 
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
+from supervisor.budget import BudgetLimits
 from supervisor.errors import StoreUnavailable
 from supervisor.ids import is_valid_id, new_id
-from supervisor.plan import BudgetLimits
+from supervisor.receipt_files import ReceiptLog
+from supervisor.receipts import Receipts
 from supervisor.stores.base import (
     Begun,
     BudgetUse,
@@ -233,6 +236,14 @@ class PostgresEffectStore:
         session advisory locks), and an open transaction is still rolled back."""
 
     # -- lifecycle ------------------------------------------------------------
+
+    def receipts(self, path: Path, executor: Executor | None) -> Receipts:
+        # Written after the commit: a crash in between, or another replica
+        # that ran the call, leaves no line here (docs/replicas.md).
+        return ReceiptLog(path, executor, fsync=True, commit=self.commit)
+
+    def set_load_hint(self, active_requests: Callable[[], int]) -> None:
+        return None  # the server batches; nothing to learn
 
     async def open(self) -> int:
         """Connect, create or migrate the schema, register this replica's lease

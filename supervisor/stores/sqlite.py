@@ -14,8 +14,9 @@ transaction (a read too: it may have seen a neighbour's write), so when
 ``synchronous=FULL``. A failed fsync fails the operations it covered and
 stops the store.
 
-When nothing could share a transaction (:attr:`SQLiteEffectStore.inline_when`
-says the caller's request is the only one) the fsync runs on the loop too: no
+When nothing could share a transaction (the supervisor's load hint,
+``set_load_hint``, says the caller's request is the only one) the fsync runs
+on the loop too: no
 hand-off to the writer and back. The writer also checkpoints the WAL into the
 database (SQLite's automatic checkpoint, which would run inside a ``COMMIT``
 on the loop, is off). Receipts are journaled in the same transactions
@@ -35,12 +36,14 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Final, TypeVar, cast
 
+from supervisor.budget import BudgetLimits
 from supervisor.errors import StoreUnavailable
-from supervisor.plan import BudgetLimits
-from supervisor.receipts import fsync_path
+from supervisor.receipt_files import fsync_path
+from supervisor.receipts import Receipts
 from supervisor.stores.base import (
     Begun,
     BudgetUse,
@@ -52,7 +55,13 @@ from supervisor.stores.base import (
     budget_allows,
     charge_refusal,
 )
-from supervisor.stores.journal import CHECKPOINT_ROWS, JOURNAL_SCHEMA, Line, ReceiptJournal
+from supervisor.stores.journal import (
+    CHECKPOINT_ROWS,
+    JOURNAL_SCHEMA,
+    JournaledReceipts,
+    Line,
+    ReceiptJournal,
+)
 
 __all__ = ["SCHEMA_VERSION", "SQLiteEffectStore", "read_calls", "read_invocations"]
 
@@ -210,7 +219,9 @@ class SQLiteEffectStore:
         #: the event loop's thread: one request alone has nothing to share a
         #: transaction with. The supervisor sets it to "the channel serves
         #: one request at most"; under load every operation goes to the writer.
-        self.inline_when: Callable[[], bool] | None = None
+        #: Requests the supervisor serves now (``set_load_hint``); one alone
+        #: commits inline.
+        self._active_requests: Callable[[], int] | None = None
 
     # -- the writer thread ------------------------------------------------
 
@@ -399,7 +410,7 @@ class SQLiteEffectStore:
         its ``COMMIT`` run on the loop's thread (the connection is used by one
         thread at a time, under ``_busy``), the fsync that makes it durable on
         the writer thread, so the loop keeps serving — and committing the next
-        batches — while the disk works. A request alone (:attr:`inline_when`)
+        batches — while the disk works. A request alone (``set_load_hint``)
         also fsyncs on the loop: there is nothing to overlap, and no hand-off
         to pay for.
         """
@@ -407,12 +418,12 @@ class SQLiteEffectStore:
             raise RuntimeError("SQLiteEffectStore used before open() or after close()")
         if self._failed is not None or not self._thread.is_alive():
             raise StoreUnavailable(f"effect store {self.path}: its writer thread has stopped")
-        inline = self.inline_when
+        active = self._active_requests
         if (
-            inline is not None
+            active is not None
             and not self._pending
             and not self._syncing
-            and inline()
+            and active() <= 1
             and self._busy.acquire(blocking=False)
         ):
             try:
@@ -535,6 +546,13 @@ class SQLiteEffectStore:
             self._idle.set()
 
     # -- lifecycle ----------------------------------------------------------
+
+    def receipts(self, path: Path, executor: Executor | None) -> Receipts:
+        # Journaled in the call's own transaction: one fsync for both.
+        return JournaledReceipts(path, self)
+
+    def set_load_hint(self, active_requests: Callable[[], int]) -> None:
+        self._active_requests = active_requests
 
     async def open(self) -> int:
         if self._thread is not None:

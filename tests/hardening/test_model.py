@@ -46,7 +46,8 @@ from supervisor.approvals import ApprovalController
 from supervisor.broker import Broker
 from supervisor.errors import StoreUnavailable
 from supervisor.ids import new_id
-from supervisor.receipts import ReceiptLog, verify_chain
+from supervisor.receipt_files import ReceiptLog
+from supervisor.receipts import verify_chain
 from supervisor.stores import EffectStore, MemoryEffectStore, SQLiteEffectStore
 from tests.harness import STEP_TIMEOUT_S
 
@@ -305,7 +306,7 @@ class BrokerMachine(RuleBasedStateMachine):
             execution_id=new_id("exe"),
             store=self.handle,  # type: ignore[arg-type]
             approvals=ApprovalController(),
-            receipts=ReceiptLog(self.folder / "receipts.jsonl"),
+            receipts=ReceiptLog(self.folder / "receipts.jsonl", commit=self.handle.commit),
             dispatch_blocker=lambda: None,
         )
 

@@ -20,7 +20,8 @@ from typing import Any
 from supervisor import Plan, tool
 from supervisor.approvals import ApprovalController
 from supervisor.broker import Broker
-from supervisor.receipts import ReceiptLog, verify_chain
+from supervisor.receipt_files import ReceiptLog
+from supervisor.receipts import verify_chain
 from supervisor.stores import MemoryEffectStore
 from tests.harness import STEP_TIMEOUT_S
 
@@ -77,7 +78,7 @@ async def test_the_first_two_requests_a_broker_serves_at_once_leave_an_intact_re
         execution_id="exe_1",
         store=store,
         approvals=ApprovalController(),
-        receipts=ReceiptLog(tmp_path / "receipts.jsonl"),
+        receipts=store.receipts(tmp_path / "receipts.jsonl", None),
         dispatch_blocker=lambda: None,
     )
     async with asyncio.timeout(STEP_TIMEOUT_S):

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from supervisor import Supervisor
 from supervisor.admin_client import AdminClient, AdminError
 from supervisor.limits import Limits
-from supervisor.receipts import utc_timestamp
+from supervisor.timestamps import utc_timestamp
 from tests.harness import (
     DRIVER,
     STEP_TIMEOUT_S,

@@ -26,7 +26,6 @@ from supervisor.approvals import (
 )
 from supervisor.broker import Broker
 from supervisor.errors import Refusal
-from supervisor.receipts import ReceiptLog
 from supervisor.stores import EffectStatus, MemoryEffectStore
 from tests.harness import STEP_TIMEOUT_S, Ledger, wait_until
 
@@ -113,7 +112,7 @@ async def rig(tmp_path: Path, ledger: Ledger) -> AsyncIterator[Rig]:
         execution_id=EXE,
         store=store,
         approvals=approvals,
-        receipts=ReceiptLog(tmp_path / "receipts.jsonl"),
+        receipts=store.receipts(tmp_path / "receipts.jsonl", None),
         dispatch_blocker=lambda: blocked[0] if blocked else None,
         clock=clock,
     )
@@ -167,7 +166,7 @@ async def test_a_lease_that_runs_out_refuses_with_approval_expired(tmp_path: Pat
         execution_id=EXE,
         store=store,
         approvals=ApprovalController(),
-        receipts=ReceiptLog(tmp_path / "r.jsonl"),
+        receipts=store.receipts(tmp_path / "r.jsonl", None),
         dispatch_blocker=lambda: None,
     )
     async with asyncio.timeout(STEP_TIMEOUT_S):
@@ -349,7 +348,7 @@ async def test_an_approver_callback_sync_or_async_decides(
         execution_id=EXE,
         store=store,
         approvals=approvals,
-        receipts=ReceiptLog(tmp_path / "r.jsonl"),
+        receipts=store.receipts(tmp_path / "r.jsonl", None),
         dispatch_blocker=lambda: None,
     )
     async with asyncio.timeout(STEP_TIMEOUT_S):

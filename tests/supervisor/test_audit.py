@@ -38,8 +38,9 @@ from supervisor.canonical import jcs, sha256_hex
 from supervisor.errors import StoreUnavailable
 from supervisor.ids import new_id
 from supervisor.plan import Plan
-from supervisor.receipts import GENESIS_HASH, JournaledReceipts, seal, verify_chain
+from supervisor.receipts import GENESIS_HASH, seal, verify_chain
 from supervisor.stores import SQLiteEffectStore
+from supervisor.stores.journal import JournaledReceipts
 from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan
 
 INVOCATION = "inv_audit"

@@ -26,14 +26,9 @@ from typing import Any
 import pytest
 
 from supervisor.errors import StoreUnavailable
-from supervisor.receipts import (
-    GENESIS_HASH,
-    JournaledReceipts,
-    make_receipt,
-    seal,
-    verify_chain,
-)
+from supervisor.receipts import GENESIS_HASH, make_receipt, seal, verify_chain
 from supervisor.stores import SQLiteEffectStore, StartCall
+from supervisor.stores.journal import JournaledReceipts
 from tests.harness import STEP_TIMEOUT_S, read_line, wait_until
 
 GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
@@ -73,7 +68,7 @@ async def test_a_commit_and_its_receipt_share_a_transaction_and_reach_the_file(
     store = SQLiteEffectStore(db)
     if inline:  # every other operation on this thread, as with one request alone
         turns = itertools.cycle((True, False))
-        store.inline_when = lambda: next(turns)
+        store.set_load_hint(lambda: 1 if next(turns) else 2)
     await store.open()
     try:
         receipts = JournaledReceipts(path, store)
@@ -81,7 +76,7 @@ async def test_a_commit_and_its_receipt_share_a_transaction_and_reach_the_file(
         begun = await store.begin(StartCall("inv_j", "c1", "noop", "k" * 64, "exe_j", False), 1.0)
         assert begun.won
         executed = _receipt("c1", "executed")
-        await receipts.commit(store, "inv_j", "c1", {"status": "ok"}, 2.0, executed)
+        await receipts.commit("inv_j", "c1", {"status": "ok"}, 2.0, executed)
         # Answered: the line is in the file already, and durable in the journal.
         assert _call_ids(path) == ["c1"]
         assert json.loads(path.read_text())["receipt_id"] == executed["receipt_id"]
@@ -104,7 +99,7 @@ async def test_a_failed_commit_records_no_receipt_and_keeps_the_chain(tmp_path: 
         receipts = JournaledReceipts(path, store)
         await receipts.record(_receipt("r0"))
         with pytest.raises(TypeError):  # a response that is not JSON: the op fails
-            await receipts.commit(store, "inv_j", "c1", {"x": object()}, 2.0, _receipt("c1"))
+            await receipts.commit("inv_j", "c1", {"x": object()}, 2.0, _receipt("c1"))
         await receipts.record(_receipt("r1"))
     finally:
         await store.close()
@@ -116,7 +111,8 @@ _CRASHING_WRITER = textwrap.dedent(
     """
     import asyncio, sys, time
     from pathlib import Path
-    from supervisor.receipts import JournaledReceipts, make_receipt
+    from supervisor.receipts import make_receipt
+    from supervisor.stores.journal import JournaledReceipts
     from supervisor.stores import SQLiteEffectStore
 
     async def main(db, path):
@@ -216,7 +212,7 @@ async def test_with_every_commit_inline_the_journal_is_still_trimmed_when_idle(
 ) -> None:
     db, path = tmp_path / "effects.db", tmp_path / "inv_j.jsonl"
     store = SQLiteEffectStore(db)
-    store.inline_when = lambda: True  # one request at a time: nothing goes to the writer
+    store.set_load_hint(lambda: 1)  # one request at a time: nothing goes to the writer
     await store.open()
     try:
         receipts = JournaledReceipts(path, store)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.plan import BudgetLimits
+from supervisor.budget import BudgetLimits
 from supervisor.replay import Replay, decide_replay
 from supervisor.stores.base import BudgetUse, EffectRecord, EffectStatus, budget_allows
 

@@ -99,7 +99,7 @@ async def test_a_failed_fsync_fails_the_operation_and_stops_the_store(
     store: SQLiteEffectStore, monkeypatch: pytest.MonkeyPatch, inline: bool
 ) -> None:
     if inline:
-        store.inline_when = lambda: True  # one request alone: it fsyncs on the loop
+        store.set_load_hint(lambda: 1)  # one request alone: it fsyncs on the loop
     real = os.fsync
 
     def fsync(fd: int) -> None:

@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 
 import pytest
 
+from supervisor.budget import BudgetLimits
 from supervisor.errors import StoreUnavailable
-from supervisor.plan import BudgetLimits
 from supervisor.stores import (
     Charge,
     EffectRecord,
@@ -123,7 +123,7 @@ class SQLiteMixedBackend(SQLiteBackend):
     def make(self) -> EffectStore:
         store = SQLiteEffectStore(self.tmp_path / "effects.db")
         turns = itertools.cycle((True, False))
-        store.inline_when = lambda: next(turns)
+        store.set_load_hint(lambda: 1 if next(turns) else 2)
         return store
 
 
