@@ -71,7 +71,7 @@ from typing import Any, Final, Literal, Protocol
 
 from supervisor.canonical import jcs, sha256_hex
 from supervisor.errors import StoreUnavailable
-from supervisor.receipts import ChainError, read_receipts
+from supervisor.receipts import ChainError, ReceiptOutcome, read_receipts
 from supervisor.stores.base import EffectRecord, EffectStatus
 
 __all__ = [
@@ -87,13 +87,11 @@ __all__ = [
 Severity = Literal["error", "warning"]
 
 #: Receipt outcomes SPEC §8 names.
-_OUTCOMES: Final = frozenset(
-    {"executed", "replayed", "refused", "failed", "unknown", "result_invalid"}
-)
+_OUTCOMES: Final = frozenset(set(ReceiptOutcome))
 #: Outcomes that mean the handler ran and its record was committed.
-_RAN: Final = frozenset({"executed", "result_invalid"})
+_RAN: Final = frozenset({ReceiptOutcome.EXECUTED, ReceiptOutcome.RESULT_INVALID})
 #: Outcomes that need a committed record (rule 3).
-_NEEDS_COMMIT: Final = _RAN | {"replayed"}
+_NEEDS_COMMIT: Final = _RAN | {ReceiptOutcome.REPLAYED}
 
 _Call = tuple[str, str]  # (invocation_id, call_id)
 

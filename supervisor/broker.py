@@ -38,7 +38,7 @@ from supervisor.errors import Refusal, StoreUnavailable
 from supervisor.faults import crash_point
 from supervisor.metrics import Metrics
 from supervisor.plan import Plan
-from supervisor.receipts import Receipts, make_receipt
+from supervisor.receipts import ReceiptOutcome, Receipts, make_receipt
 from supervisor.replay import Replay, decide_replay
 from supervisor.stores.base import (
     Charge,
@@ -85,7 +85,7 @@ class _Outcome:
     """What the pipeline decided, before the receipt is written."""
 
     reply: CallReply
-    receipt_outcome: str
+    receipt_outcome: ReceiptOutcome
     #: sha256 hex of the result's JCS, for the receipt (``None``: no result).
     result_sha256: str | None = None
     approval_id: str | None = None
@@ -115,7 +115,7 @@ class Broker:
     #: :mod:`supervisor.hostlog`).
     log_context: Mapping[str, Any] = field(default_factory=dict)
     clock: Callable[[], float] = time.time
-    #: Calls of this execution by receipt outcome (executed, replayed, …).
+    #: Calls of this execution by receipt outcome.
     outcomes: Counter[str] = field(default_factory=Counter)
     _admissions: dict[str, _Admission] = field(default_factory=dict)
     _dispatched: dict[str, asyncio.Task[_Outcome]] = field(default_factory=dict)
@@ -137,7 +137,7 @@ class Broker:
         except Refusal as refusal:
             outcome = _Outcome(
                 CallReply.refused(call_id, refusal, tool=tool, idempotency_key=key),
-                "refused",
+                ReceiptOutcome.REFUSED,
                 approval_id=refusal.approval_id,
             )
         except StoreUnavailable as exc:
@@ -146,7 +146,8 @@ class Broker:
                 "store_unavailable", "the effect store is unavailable; nothing ran"
             )
             outcome = _Outcome(
-                CallReply.refused(call_id, unavailable, tool=tool, idempotency_key=key), "refused"
+                CallReply.refused(call_id, unavailable, tool=tool, idempotency_key=key),
+                ReceiptOutcome.REFUSED,
             )
         self.outcomes[outcome.receipt_outcome] += 1
         receipt_id = outcome.receipt_id
@@ -416,7 +417,7 @@ class Broker:
             )
             await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
             reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
-            return _Outcome(reply, "unknown", approval_id=approval_id)
+            return _Outcome(reply, ReceiptOutcome.UNKNOWN, approval_id=approval_id)
         except Exception as exc:  # boundary: any other handler error leaves no effect
             logger.warning(
                 "call %s: %s raised %s: %s",
@@ -436,7 +437,7 @@ class Broker:
                 idempotency_key=call.key,
                 error={"code": "tool_error", "type": type(exc).__name__, "message": str(exc)},
             )
-            return _Outcome(reply, "failed", approval_id=approval_id)
+            return _Outcome(reply, ReceiptOutcome.FAILED, approval_id=approval_id)
         crash_point("after_handler")
         result, digest, problem = _checked_result(tool, raw)
         if problem is None:
@@ -448,7 +449,7 @@ class Broker:
                 result=result,
                 idempotency_key=call.key,
             )
-            outcome = _Outcome(reply, "executed", digest, approval_id)
+            outcome = _Outcome(reply, ReceiptOutcome.EXECUTED, digest, approval_id)
         else:
             logger.warning(
                 "call %s: %s returned an invalid result: %s",
@@ -465,7 +466,7 @@ class Broker:
                 idempotency_key=call.key,
                 error={"code": "result_invalid", "message": problem},
             )
-            outcome = _Outcome(reply, "result_invalid", approval_id=approval_id)
+            outcome = _Outcome(reply, ReceiptOutcome.RESULT_INVALID, approval_id=approval_id)
         receipt = self._receipt(call.call_id, tool.name, call.key, outcome, call.started_at)
         try:
             # The record and its receipt: one transaction where the store journals receipts.
@@ -477,7 +478,7 @@ class Broker:
             # becomes unknown at the next start. Never claim it did not run.
             logger.error("call %s ran but could not be committed: %s", call.call_id, exc)
             reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
-            return _Outcome(reply, "unknown", approval_id=approval_id)
+            return _Outcome(reply, ReceiptOutcome.UNKNOWN, approval_id=approval_id)
         crash_point("before_reply")
         outcome.receipt_id = receipt["receipt_id"]
         return outcome
@@ -595,10 +596,10 @@ def _outcome_of(reply: CallReply) -> _Outcome:
     """The outcome of a request answered without running anything now."""
     if reply.effect == "replayed":
         digest = sha256_hex(jcs(reply.result)) if reply.status == "ok" else None
-        return _Outcome(reply, "replayed", digest)
+        return _Outcome(reply, ReceiptOutcome.REPLAYED, digest)
     if reply.status == "ambiguous":
-        return _Outcome(reply, "unknown")
-    return _Outcome(reply, "refused")
+        return _Outcome(reply, ReceiptOutcome.UNKNOWN)
+    return _Outcome(reply, ReceiptOutcome.REFUSED)
 
 
 def _not_found(call_id: str) -> CallReply:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from channel.routing import BrokerPort
 from channel.wire import CallReply
 from supervisor.broker import Broker
 from supervisor.errors import Refusal
@@ -40,7 +41,9 @@ class Execution:
     invocation_id: str
     plan_hash: str
     credential_sha256: bytes
-    broker: Broker
+    #: Its broker while it may still answer calls; a stand-in that refuses
+    #: once it is retired (its memory freed).
+    broker: BrokerPort
     guest_pid: int | None = None
     #: The guest's command, and the limits it runs under (set at launch).
     argv: tuple[str, ...] = ()
@@ -87,6 +90,12 @@ class Execution:
         if self.on_end is not None:
             self.on_end(self)
 
+    def stop_for(self, reason: EndReason) -> None:
+        """A limit says it must stop: ended as cancelled, ``reason`` kept."""
+        if self.live:
+            self.stop_reason = reason
+        self.end(ExecutionState.CANCELLED)
+
     def dispatch_blocker(self) -> Refusal | None:
         """Why a call of this execution may not cross BeginDispatch now, if so."""
         if self.live:
@@ -95,9 +104,39 @@ class Execution:
             return Refusal("execution_fenced", "a newer execution of this invocation took over")
         return Refusal("cancelled", "the execution ended before the call was dispatched")
 
+    def __post_init__(self) -> None:
+        #: Its calls by receipt outcome, so far (the broker's own count).
+        self._calls: Mapping[str, int] = (
+            self.broker.outcomes if isinstance(self.broker, Broker) else {}
+        )
+
     def calls(self) -> Mapping[str, int]:
         """Its calls by receipt outcome, so far."""
-        return self.outcome.calls if self.outcome is not None else self.broker.outcomes
+        return self.outcome.calls if self.outcome is not None else self._calls
+
+    def started(self, process: GuestProcess, *, pidns: int | None, uid: int | None,
+                sandbox: Mapping[str, Any] | str) -> None:  # fmt: skip
+        """Its guest runs: the process, and what the origin check knows it by
+        (its pid; in a sandbox its pid namespace and outside uid)."""
+        self.process = process
+        self.guest_pid = process.pid
+        self.guest_pidns = pidns
+        self.guest_uid = uid
+        self.sandbox = sandbox
+        self.state = ExecutionState.RUNNING
+        self.launched.set()
+
+    def retire(self, outcome: ExecutionOutcome) -> None:
+        """It ended and nothing of it runs: keep its identity facts and outcome,
+        free the rest (its broker is replaced by one that refuses)."""
+        self.outcome = outcome
+        self.process = None
+        self.stopped.set()
+        self.stopped = _ENDED
+        self.broker = ENDED_BROKER
+        self.on_end = None
+        self.ended = _ENDED  # one shared, already-set event for all retired ones
+        self.launched = _ENDED
 
     def describe(self) -> dict[str, object]:
         """This execution for the admin API (with its outcome once it ended).
@@ -161,15 +200,10 @@ class ExecutionTable:
         """Register a new execution."""
         self._by_id[execution.execution_id] = execution
 
-    def retire(self, execution: Execution) -> None:
-        """Keep only what an ended execution needs: its identity facts and outcome."""
-        execution.process = None
-        execution.stopped.set()
-        execution.stopped = _ENDED
-        execution.broker = ENDED_BROKER  # type: ignore[assignment]
-        execution.on_end = None
-        execution.ended = _ENDED  # one shared, already-set event for all retired ones
-        execution.launched = _ENDED
+    def retire(self, execution: Execution, outcome: ExecutionOutcome) -> None:
+        """An execution ended with ``outcome``: it keeps only what its id
+        still answers for; the oldest ended ones are forgotten."""
+        execution.retire(outcome)
         self._ended.append(execution.execution_id)
         while len(self._ended) > self._max_ended:
             self._by_id.pop(self._ended.popleft(), None)

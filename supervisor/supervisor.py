@@ -386,7 +386,12 @@ class Supervisor:
         return invocation
 
     def _new_execution(
-        self, plan: Plan, invocation_id: str, invocation: _Invocation, digest: bytes
+        self,
+        plan: Plan,
+        invocation_id: str,
+        invocation: _Invocation,
+        digest: bytes,
+        launch: _Launch,
     ) -> Execution:
         for older in self._executions.of_invocation(invocation_id):
             older.end(ExecutionState.FENCED)
@@ -413,6 +418,8 @@ class Supervisor:
             plan.plan_hash,
             digest,
             broker,
+            argv=tuple(launch.argv),
+            limits=launch.limits,
             on_end=self._execution_ended,
         )
         self._executions.add(execution)
@@ -430,9 +437,7 @@ class Supervisor:
         if launcher is None:
             raise RuntimeError("the supervisor is not running")
         credential, digest = mint_credential()
-        execution = self._new_execution(plan, invocation_id, invocation, digest)
-        execution.argv = tuple(launch.argv)
-        execution.limits = launch.limits
+        execution = self._new_execution(plan, invocation_id, invocation, digest, launch)
         socket = GUEST_SOCKET if launcher.sandbox is not None else self.socket_path
         identity = GuestIdentity(
             str(socket),
@@ -450,10 +455,6 @@ class Supervisor:
         # A sandboxed guest never gets the operator's terminal (see supervisor.terminal).
         relay_stdin = launch.stdin is None and launcher.sandbox is not None and is_terminal(0)
 
-        def stop_for(reason: EndReason) -> None:
-            execution.stop_reason = reason
-            execution.end(ExecutionState.CANCELLED)
-
         started = time.monotonic()
         try:
             guest = await launcher.start(
@@ -462,7 +463,7 @@ class Supervisor:
                 env=guest_environment(os.environ if launch.env is None else launch.env, identity),
                 credential=credential,
                 limits=launch.limits,
-                on_violation=stop_for,
+                on_violation=execution.stop_for,
                 policy=plan.sandbox,
                 plan_key=plan.plan_hash,
                 plan_path=plan.path,
@@ -475,14 +476,12 @@ class Supervisor:
             execution.end()
             raise
         process = guest.process
-        execution.guest_pid = process.pid
-        execution.guest_pidns = guest.pidns
-        if launcher.sandbox is not None:
-            execution.guest_uid = launcher.sandbox.account.uid
-        execution.sandbox = guest.sandbox
-        execution.launched.set()
-        execution.process = process
-        execution.state = ExecutionState.RUNNING
+        execution.started(
+            process,
+            pidns=guest.pidns,
+            uid=launcher.sandbox.account.uid if launcher.sandbox is not None else None,
+            sandbox=guest.sandbox,
+        )
         self.activity.changed(Topic.INVOCATIONS, invocation_id)
         if relay_stdin and process.stdin is not None:
             StdinRelay.shared().attach(process.stdin)
@@ -512,9 +511,8 @@ class Supervisor:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._stop_grace_s):
                         await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
-        outcome = guest.outcome(reason, time.monotonic() - started, dict(execution.broker.outcomes))
-        execution.outcome = outcome
-        self._executions.retire(execution)
+        outcome = guest.outcome(reason, time.monotonic() - started, dict(execution.calls()))
+        self._executions.retire(execution, outcome)
         self.activity.changed(Topic.INVOCATIONS, invocation_id)
         if not any(e.live for e in self._executions.of_invocation(invocation_id)):
             # Nothing of it runs here now; a resume rebuilds it from the store.

@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 import psutil
 
@@ -52,26 +52,31 @@ SAMPLE_INTERVAL_S: Final = 0.1
 BUSY_SAMPLE_INTERVAL_S: Final = 0.5
 BUSY_TREES: Final = 20
 _PR_SET_CHILD_SUBREAPER: Final = 36
-
-_subreaper = False
+_PR_GET_CHILD_SUBREAPER: Final = 37
 
 _Key = tuple[int, float]  # (pid, create_time): a process, not a reusable number
 
 
+def _prctl() -> Any:
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl
+
+
 def become_subreaper() -> bool:
     """Make orphaned descendants of this process its children (Linux). Idempotent."""
-    global _subreaper
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        _subreaper = bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+        return bool(_prctl()(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):  # not Linux, or no prctl
-        _subreaper = False
-    return _subreaper
+        return False
 
 
 def is_subreaper() -> bool:
-    """Whether :func:`become_subreaper` succeeded in this process."""
-    return _subreaper
+    """Whether this process is a child subreaper (the kernel says; no state of ours)."""
+    flag = ctypes.c_int(0)
+    try:
+        ok = _prctl()(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+    return ok and flag.value != 0
 
 
 def _key(process: psutil.Process) -> _Key:
@@ -283,7 +288,9 @@ def _adopted_children(pids: Iterable[int] | None = None) -> list[psutil.Process]
     return found
 
 
-#: Pids of live guest roots of every tracker in this process.
+#: Pids of the guest roots every tracker of this process launched: children of
+#: this process (a fact of the process, as its children are), so that an
+#: orphan it adopted is never mistaken for a guest it launched.
 _guest_roots: set[int] = set()
 
 

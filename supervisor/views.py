@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from supervisor.audit import audit_receipts, effects_for
 from supervisor.errors import StoreUnavailable
-from supervisor.receipts import ChainError, read_receipts
+from supervisor.receipts import ChainError, ReceiptOutcome, read_receipts
 from supervisor.timestamps import utc_timestamp
 
 __all__ = ["calls_from_receipts", "log_tails", "verify_receipts"]
@@ -27,13 +27,13 @@ MAX_CALLS: Final = 500
 TAIL_BYTES: Final = 256 * 1024
 
 #: What each receipt outcome says about the handler (SPEC §4.3 ``effect``).
-_EFFECT: Final = {
-    "executed": "executed",
-    "result_invalid": "executed",
-    "replayed": "replayed",
-    "refused": "none",
-    "failed": "failed",
-    "unknown": "unknown",
+_EFFECT: Final[Mapping[str, str]] = {
+    ReceiptOutcome.EXECUTED: "executed",
+    ReceiptOutcome.RESULT_INVALID: "executed",
+    ReceiptOutcome.REPLAYED: "replayed",
+    ReceiptOutcome.REFUSED: "none",
+    ReceiptOutcome.FAILED: "failed",
+    ReceiptOutcome.UNKNOWN: "unknown",
 }
 
 
