@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sqlite3
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,56 +208,17 @@ class SQLiteEffectsView:
         return f"the effect records in {self.path}"
 
     def snapshot(self, invocation_ids: Collection[str]) -> EffectsSnapshot:
-        try:
-            conn = sqlite3.connect(
-                f"{self.path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None
-            )
-        except sqlite3.Error as exc:
-            raise StoreUnavailable(f"cannot read effect store {self.path}: {exc}") from exc
-        try:
-            conn.execute("BEGIN")  # one read transaction: one snapshot for every query
-            return _snapshot(conn, sorted(invocation_ids))
-        except (sqlite3.Error, ValueError) as exc:
-            raise StoreUnavailable(f"cannot read effect store {self.path}: {exc}") from exc
-        finally:
-            conn.close()
+        from supervisor.stores import read_snapshot  # the store's own statements
 
-
-def _snapshot(conn: sqlite3.Connection, ids: list[str]) -> EffectsSnapshot:
-    if not ids:
-        return EffectsSnapshot(frozenset(), {})
-    marks = ", ".join("?" * len(ids))
-    known = frozenset(
-        i
-        for (i,) in conn.execute(
-            f"SELECT invocation_id FROM invocations WHERE invocation_id IN ({marks})", ids
+        known, records, lines = read_snapshot(self.path, invocation_ids, _parsed)
+        journaled = [
+            receipt
+            for line in lines
+            if (receipt := _parsed(line)) is not None and receipt.get("invocation_id") in known
+        ]
+        return EffectsSnapshot(
+            known, {(r.invocation_id, r.call_id): r for r in records}, tuple(journaled)
         )
-    )
-    records: dict[_Call, EffectRecord] = {}
-    rows = conn.execute(
-        "SELECT invocation_id, call_id, tool, idempotency_key, status, execution_id, response,"
-        f" created_at, updated_at FROM effects WHERE invocation_id IN ({marks})",
-        ids,
-    )
-    for inv, call_id, tool, key, status, execution_id, response, created, updated in rows:
-        records[inv, call_id] = EffectRecord(
-            inv,
-            call_id,
-            tool,
-            key,
-            EffectStatus(status),
-            execution_id,
-            _parsed(response),
-            created,
-            updated,
-        )
-    journaled: list[Mapping[str, Any]] = []
-    if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'receipt_journal'").fetchone():
-        for (line,) in conn.execute("SELECT line FROM receipt_journal ORDER BY seq"):
-            receipt = _parsed(line)
-            if receipt is not None and receipt.get("invocation_id") in known:
-                journaled.append(receipt)
-    return EffectsSnapshot(known, records, tuple(journaled))
 
 
 def _parsed(text: str | bytes | None) -> Mapping[str, Any] | None:

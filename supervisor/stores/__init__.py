@@ -16,7 +16,8 @@ from supervisor.stores.base import (
 )
 from supervisor.stores.memory import MemoryEffectStore
 from supervisor.stores.postgres import PostgresEffectStore
-from supervisor.stores.sqlite import SQLiteEffectStore, read_calls, read_invocations
+from supervisor.stores.sqlite import SQLiteEffectStore
+from supervisor.stores.sqlite_sql import read_calls, read_invocations, read_snapshot
 from supervisor.storespec import parse_store
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "StartCall",
     "read_calls",
     "read_invocations",
+    "read_snapshot",
     "store_from_spec",
 ]
 

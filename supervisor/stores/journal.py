@@ -34,7 +34,14 @@ from supervisor.faults import crash_point
 from supervisor.receipt_files import append_to, fsync_path, last_hash
 from supervisor.receipts import GENESIS_HASH, seal
 
-__all__ = ["CHECKPOINT_ROWS", "JOURNAL_SCHEMA", "JournaledReceipts", "Line", "ReceiptJournal"]
+__all__ = [
+    "CHECKPOINT_ROWS",
+    "JOURNAL_SCHEMA",
+    "JournaledReceipts",
+    "Line",
+    "ReceiptJournal",
+    "journal_lines",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,15 @@ CREATE TABLE IF NOT EXISTS receipt_journal (
     line BLOB NOT NULL
 );
 """
+
+
+def journal_lines(conn: sqlite3.Connection) -> list[bytes]:
+    """Every line the journal holds, in chain order (none if it has no table yet)."""
+    if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'receipt_journal'").fetchone():
+        return []
+    return [
+        bytes(line) for (line,) in conn.execute("SELECT line FROM receipt_journal ORDER BY seq")
+    ]
 
 
 class Line(NamedTuple):

@@ -44,24 +44,16 @@ from supervisor.budget import BudgetLimits
 from supervisor.errors import StoreUnavailable
 from supervisor.receipt_files import fsync_path
 from supervisor.receipts import Receipts
+from supervisor.stores import sqlite_sql as sql
 from supervisor.stores.base import (
     Begun,
-    BudgetUse,
     Charge,
     EffectRecord,
-    EffectStatus,
     InvocationRecord,
     StartCall,
-    budget_allows,
-    charge_refusal,
 )
-from supervisor.stores.journal import (
-    CHECKPOINT_ROWS,
-    JOURNAL_SCHEMA,
-    JournaledReceipts,
-    Line,
-    ReceiptJournal,
-)
+from supervisor.stores.journal import CHECKPOINT_ROWS, JournaledReceipts, Line, ReceiptJournal
+from supervisor.stores.sqlite_sql import SCHEMA_VERSION, read_calls, read_invocations
 
 __all__ = ["SCHEMA_VERSION", "SQLiteEffectStore", "read_calls", "read_invocations"]
 
@@ -69,8 +61,6 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-#: 2: the receipt journal.
-SCHEMA_VERSION: Final = 2
 #: How long the writer waits idle before it fsyncs journaled receipt files.
 CHECKPOINT_IDLE_S: Final = 0.2
 #: Most operations one transaction takes; the rest wait for the next one.
@@ -84,51 +74,6 @@ _OPEN_BACKOFF_S: Final = 0.01
 #: How long SQLite waits for a lock held by a reader (e.g. ``hostcall calls``).
 BUSY_TIMEOUT_MS: Final = 5000
 
-_SCHEMA: Final = (
-    """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS invocations (
-    invocation_id TEXT PRIMARY KEY,
-    plan_hash TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    deadline_at REAL,
-    calls_used INTEGER NOT NULL DEFAULT 0,
-    cost_used REAL NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS tool_usage (
-    invocation_id TEXT NOT NULL,
-    tool TEXT NOT NULL,
-    calls_used INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (invocation_id, tool)
-);
-CREATE TABLE IF NOT EXISTS effects (
-    invocation_id TEXT NOT NULL,
-    call_id TEXT NOT NULL,
-    tool TEXT NOT NULL,
-    idempotency_key TEXT NOT NULL,
-    status TEXT NOT NULL CHECK (status IN ('pending', 'committed', 'unknown')),
-    execution_id TEXT NOT NULL,
-    response TEXT,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    PRIMARY KEY (invocation_id, call_id)
-);
-CREATE INDEX IF NOT EXISTS effects_by_status ON effects (status);
-CREATE TABLE IF NOT EXISTS revocations (
-    invocation_id TEXT NOT NULL,
-    tool TEXT NOT NULL,
-    revoked_at REAL NOT NULL,
-    PRIMARY KEY (invocation_id, tool)
-);
-"""
-    + JOURNAL_SCHEMA
-)
-
-_EFFECT_COLUMNS: Final = (
-    "invocation_id, call_id, tool, idempotency_key, status, execution_id, response,"
-    " created_at, updated_at"
-)
-
 _Op = Callable[[sqlite3.Connection], Any]
 _Outcome = tuple[Any, BaseException | None]  # an op's result, or its error
 _Settled = tuple["asyncio.Future[Any]", Any, BaseException | None]
@@ -139,47 +84,6 @@ _BUSY_RETRY_S: Final = 0.001
 _BUSY_WAIT_S: Final = 1.0
 #: Bound on close() waiting for queued ops.
 CLOSE_DRAIN_S: Final = 30.0
-
-
-def _effect(row: tuple[Any, ...] | None) -> EffectRecord | None:
-    if row is None:
-        return None
-    inv, call_id, tool, key, status, execution_id, response, created, updated = row
-    return EffectRecord(
-        inv,
-        call_id,
-        tool,
-        key,
-        EffectStatus(status),
-        execution_id,
-        json.loads(response) if response is not None else None,
-        created,
-        updated,
-    )
-
-
-def _get_effect(conn: sqlite3.Connection, invocation_id: str, call_id: str) -> EffectRecord | None:
-    row = conn.execute(
-        f"SELECT {_EFFECT_COLUMNS} FROM effects WHERE invocation_id = ? AND call_id = ?",
-        (invocation_id, call_id),
-    ).fetchone()
-    return _effect(row)
-
-
-def _get_invocation(conn: sqlite3.Connection, invocation_id: str) -> InvocationRecord | None:
-    row = conn.execute(
-        "SELECT invocation_id, plan_hash, created_at, deadline_at, calls_used, cost_used"
-        " FROM invocations WHERE invocation_id = ?",
-        (invocation_id,),
-    ).fetchone()
-    if row is None:
-        return None
-    tool_calls = dict(
-        conn.execute(
-            "SELECT tool, calls_used FROM tool_usage WHERE invocation_id = ?", (invocation_id,)
-        ).fetchall()
-    )
-    return InvocationRecord(row[0], row[1], row[2], row[3], BudgetUse(row[4], row[5], tool_calls))
 
 
 class SQLiteEffectStore:
@@ -240,7 +144,7 @@ class SQLiteEffectStore:
                 conn.execute("PRAGMA synchronous = NORMAL")
                 # Not inside a COMMIT on the loop: the writer checkpoints.
                 conn.execute("PRAGMA wal_autocheckpoint = 0")
-                conn.executescript(_SCHEMA)
+                conn.executescript(sql.SCHEMA)
             except sqlite3.OperationalError as exc:
                 conn.close()
                 if "locked" not in str(exc) or attempt == _OPEN_ATTEMPTS - 1:
@@ -580,25 +484,9 @@ class SQLiteEffectStore:
         self._thread.start()
 
         def migrate_and_recover(conn: sqlite3.Connection) -> int:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if row is None:
-                conn.execute(
-                    "INSERT INTO meta (key, value) VALUES ('schema_version', ?)",
-                    (str(SCHEMA_VERSION),),
-                )
-            elif int(row[0]) > SCHEMA_VERSION:
-                raise sqlite3.DatabaseError(
-                    f"schema version {row[0]} is newer than this hostcall ({SCHEMA_VERSION})"
-                )
-            elif int(row[0]) < SCHEMA_VERSION:  # 1 -> 2: the journal table (_SCHEMA made it)
-                conn.execute(
-                    "UPDATE meta SET value = ? WHERE key = 'schema_version'",
-                    (str(SCHEMA_VERSION),),
-                )
+            sql.migrate(conn)
             self._journal.recover(conn)  # receipt lines a crash kept out of their files
-            return conn.execute(
-                "UPDATE effects SET status = 'unknown' WHERE status = 'pending'"
-            ).rowcount
+            return sql.unknown_pending(conn)
 
         try:
             return await self._run(migrate_and_recover)
@@ -627,90 +515,31 @@ class SQLiteEffectStore:
     async def open_invocation(
         self, invocation_id: str, plan_hash: str, deadline_at: float | None, now: float
     ) -> tuple[InvocationRecord, bool]:
-        def op(conn: sqlite3.Connection) -> tuple[InvocationRecord, bool]:
-            created = conn.execute(
-                "INSERT INTO invocations (invocation_id, plan_hash, created_at, deadline_at)"
-                " VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                (invocation_id, plan_hash, now, deadline_at),
-            ).rowcount
-            record = _get_invocation(conn, invocation_id)
-            assert record is not None
-            return record, created == 1
-
-        return await self._run(op)
+        return await self._run(
+            lambda conn: sql.open_invocation(conn, invocation_id, plan_hash, deadline_at, now)
+        )
 
     async def get_invocation(self, invocation_id: str) -> InvocationRecord | None:
-        return await self._run(lambda conn: _get_invocation(conn, invocation_id))
+        return await self._run(lambda conn: sql.get_invocation(conn, invocation_id))
 
     async def list_invocations(self) -> list[InvocationRecord]:
-        def op(conn: sqlite3.Connection) -> list[InvocationRecord]:
-            ids = conn.execute("SELECT invocation_id FROM invocations ORDER BY created_at")
-            return [r for (i,) in ids.fetchall() if (r := _get_invocation(conn, i)) is not None]
-
-        return await self._run(op)
+        return await self._run(sql.list_invocations)
 
     async def reserve(
         self, invocation_id: str, tool: str, cost: float, limits: BudgetLimits
     ) -> bool:
-        def op(conn: sqlite3.Connection) -> bool:
-            # Read and write in one transaction on the only writer: atomic.
-            record = _get_invocation(conn, invocation_id)
-            if record is None or not budget_allows(limits, record.used, tool, cost):
-                return False
-            _use(conn, invocation_id, tool, 1, cost)
-            return True
-
-        return await self._run(op)
+        return await self._run(lambda conn: sql.reserve(conn, invocation_id, tool, cost, limits))
 
     async def refund(self, invocation_id: str, tool: str, cost: float) -> None:
-        await self._run(lambda conn: _use(conn, invocation_id, tool, -1, -cost))
+        await self._run(lambda conn: sql.use(conn, invocation_id, tool, -1, -cost))
 
     # -- effect records -----------------------------------------------------
 
     async def get(self, invocation_id: str, call_id: str) -> EffectRecord | None:
-        return await self._run(lambda conn: _get_effect(conn, invocation_id, call_id))
+        return await self._run(lambda conn: sql.get_effect(conn, invocation_id, call_id))
 
     async def begin(self, start: StartCall, now: float, charge: Charge | None = None) -> Begun:
-        def op(conn: sqlite3.Connection) -> Begun:
-            # One transaction on the only writer: the check, the charge and the
-            # insert are atomic, and cost one fsync together.
-            existing = _get_effect(conn, start.invocation_id, start.call_id)
-            if existing is not None and not start.reruns(existing):
-                return Begun(False, existing)
-            if charge is not None:
-                invocation = _get_invocation(conn, start.invocation_id)
-                refused = charge_refusal(charge, invocation.used if invocation else None, now)
-                if refused is not None:
-                    return Begun(False, existing, refused)
-                _use(conn, start.invocation_id, charge.tool, 1, charge.cost)
-            if existing is None:
-                changed = conn.execute(
-                    "INSERT INTO effects (invocation_id, call_id, tool, idempotency_key, status,"
-                    " execution_id, created_at, updated_at)"
-                    " VALUES (?, ?, ?, ?, 'pending', ?, ?, ?) ON CONFLICT DO NOTHING",
-                    (
-                        start.invocation_id,
-                        start.call_id,
-                        start.tool,
-                        start.idempotency_key,
-                        start.execution_id,
-                        now,
-                        now,
-                    ),
-                ).rowcount
-            else:
-                changed = conn.execute(
-                    "UPDATE effects SET status = 'pending', execution_id = ?, updated_at = ?"
-                    " WHERE invocation_id = ? AND call_id = ? AND status = 'unknown'",
-                    (start.execution_id, now, start.invocation_id, start.call_id),
-                ).rowcount
-            if changed != 1:
-                # Cannot happen under BEGIN IMMEDIATE; if it did, the savepoint
-                # rolls the charge back and the call is refused, not run.
-                raise sqlite3.IntegrityError("begin lost a race it cannot lose")
-            return Begun(True, start.pending_record(existing, now))
-
-        return await self._run(op)
+        return await self._run(lambda conn: sql.begin(conn, start, now, charge))
 
     async def commit(
         self,
@@ -726,11 +555,7 @@ class SQLiteEffectStore:
         text = json.dumps(response, separators=(",", ":"))
 
         def op(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                "UPDATE effects SET status = 'committed', response = ?, updated_at = ?"
-                " WHERE invocation_id = ? AND call_id = ? AND status = 'pending'",
-                (text, now, invocation_id, call_id),
-            )
+            sql.commit(conn, invocation_id, call_id, text, now)
             if receipt is not None:
                 self._journal.add(conn, *receipt)
 
@@ -741,77 +566,22 @@ class SQLiteEffectStore:
         await self._run(lambda conn: self._journal.add(conn, path, receipt))
 
     async def mark_unknown(self, invocation_id: str, call_id: str, now: float) -> None:
-        await self._run(
-            lambda conn: conn.execute(
-                "UPDATE effects SET status = 'unknown', updated_at = ?"
-                " WHERE invocation_id = ? AND call_id = ? AND status = 'pending'",
-                (now, invocation_id, call_id),
-            )
-        )
+        await self._run(lambda conn: sql.mark_unknown(conn, invocation_id, call_id, now))
 
     async def release(self, invocation_id: str, call_id: str) -> None:
-        await self._run(
-            lambda conn: conn.execute(
-                "DELETE FROM effects"
-                " WHERE invocation_id = ? AND call_id = ? AND status = 'pending'",
-                (invocation_id, call_id),
-            )
-        )
+        await self._run(lambda conn: sql.release(conn, invocation_id, call_id))
 
     async def forget_calls(self, invocation_id: str) -> int:
-        def op(conn: sqlite3.Connection) -> int:
-            cursor = conn.execute(
-                "DELETE FROM effects WHERE invocation_id = ? AND status != 'pending'",
-                (invocation_id,),
-            )
-            return cursor.rowcount
-
-        return await self._run(op)
+        return await self._run(lambda conn: sql.forget_calls(conn, invocation_id))
 
     async def revoke(self, invocation_id: str, tool: str, now: float) -> None:
-        await self._run(
-            lambda conn: conn.execute(
-                "INSERT INTO revocations (invocation_id, tool, revoked_at) VALUES (?, ?, ?)"
-                " ON CONFLICT DO NOTHING",
-                (invocation_id, tool, now),
-            )
-        )
+        await self._run(lambda conn: sql.revoke(conn, invocation_id, tool, now))
 
     async def revoked(self, invocation_id: str) -> frozenset[str]:
-        def op(conn: sqlite3.Connection) -> frozenset[str]:
-            rows = conn.execute(
-                "SELECT tool FROM revocations WHERE invocation_id = ?", (invocation_id,)
-            )
-            return frozenset(tool for (tool,) in rows.fetchall())
-
-        return await self._run(op)
+        return await self._run(lambda conn: sql.revoked(conn, invocation_id))
 
     async def calls(self, invocation_id: str) -> list[EffectRecord]:
-        def op(conn: sqlite3.Connection) -> list[EffectRecord]:
-            rows = conn.execute(
-                f"SELECT {_EFFECT_COLUMNS} FROM effects WHERE invocation_id = ?"
-                " ORDER BY created_at, call_id",
-                (invocation_id,),
-            ).fetchall()
-            return [r for row in rows if (r := _effect(row)) is not None]
-
-        return await self._run(op)
-
-
-def _use(conn: sqlite3.Connection, invocation_id: str, tool: str, calls: int, cost: float) -> None:
-    updated = conn.execute(
-        "UPDATE invocations SET calls_used = calls_used + ?, cost_used = cost_used + ?"
-        " WHERE invocation_id = ?",
-        (calls, cost, invocation_id),
-    ).rowcount
-    if updated != 1:
-        return  # no such invocation: no per-tool row for one that may be opened later
-    conn.execute(
-        "INSERT INTO tool_usage (invocation_id, tool, calls_used) VALUES (?, ?, ?)"
-        " ON CONFLICT (invocation_id, tool)"
-        " DO UPDATE SET calls_used = calls_used + excluded.calls_used",
-        (invocation_id, tool, calls),
-    )
+        return await self._run(lambda conn: sql.calls(conn, invocation_id))
 
 
 def _settle(outcomes: list[_Settled]) -> None:
@@ -833,58 +603,3 @@ def _private(database: Path) -> None:
         with contextlib.suppress(FileNotFoundError, PermissionError):
             if os.stat(path).st_uid == os.getuid():
                 os.chmod(path, 0o600)
-
-
-def _read_only(path: Path, op: Callable[[sqlite3.Connection], T]) -> T:
-    """``op`` on a read-only connection to a SQLite store no supervisor holds
-    (no recovery, no writer thread).
-
-    Raises:
-        StoreUnavailable: the file is missing or not a hostcall store.
-    """
-    try:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-    except sqlite3.Error as exc:
-        raise StoreUnavailable(f"cannot read effect store {path}: {exc}") from exc
-    try:
-        return op(conn)
-    except sqlite3.Error as exc:
-        raise StoreUnavailable(f"cannot read effect store {path}: {exc}") from exc
-    finally:
-        conn.close()
-
-
-def read_invocations(path: Path) -> list[InvocationRecord]:
-    """Every invocation of a SQLite store no supervisor holds, oldest first
-    (``hostcall invocations`` after a run).
-
-    Raises:
-        StoreUnavailable: the file is missing or not a hostcall store.
-    """
-
-    def op(conn: sqlite3.Connection) -> list[InvocationRecord]:
-        ids = conn.execute("SELECT invocation_id FROM invocations ORDER BY created_at")
-        return [r for (i,) in ids.fetchall() if (r := _get_invocation(conn, i)) is not None]
-
-    return _read_only(path, op)
-
-
-def read_calls(path: Path, invocation_id: str) -> list[EffectRecord] | None:
-    """An invocation's records read from a SQLite store no supervisor holds
-    (``hostcall calls`` after a run). ``None`` if the invocation is unknown.
-
-    Raises:
-        StoreUnavailable: the file is missing or not a hostcall store.
-    """
-
-    def op(conn: sqlite3.Connection) -> list[EffectRecord] | None:
-        if _get_invocation(conn, invocation_id) is None:
-            return None
-        rows = conn.execute(
-            f"SELECT {_EFFECT_COLUMNS} FROM effects WHERE invocation_id = ?"
-            " ORDER BY created_at, call_id",
-            (invocation_id,),
-        ).fetchall()
-        return [r for row in rows if (r := _effect(row)) is not None]
-
-    return _read_only(path, op)
