@@ -1,4 +1,4 @@
-"""The Unix-socket HTTP transport between guests and their brokers (SPEC §4).
+"""The Unix-socket HTTP transport between guests and their brokers (docs/protocol.md).
 
 Names are loaded on first use (PEP 562): importing ``channel.errors`` or
 ``channel.ids`` alone does not load the server and aiohttp.

@@ -1,4 +1,4 @@
-"""The channel's connections: whose they are, how many, how long (SPEC §13, S9).
+"""The channel's connections: whose they are, how many, how long (docs/security.md, S9).
 
 A guest is hostile: it may open connections until the supervisor has no
 descriptor left, or open them and send nothing. So the channel accepts its
@@ -56,9 +56,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: SPEC §13 S9: open connections per execution (one sandbox, or one session).
+#: docs/security.md, S9: open connections per execution (one sandbox, or one session).
 DEFAULT_MAX_CONNECTIONS_PER_GROUP: Final = 64
-#: SPEC §13 S9: a connection waiting this long for a whole request is closed.
+#: docs/security.md, S9: a connection waiting this long for a whole request is closed.
 DEFAULT_IDLE_TIMEOUT_S: Final = 30.0
 #: After an answer sent before the request's body was read (a refusal), how long
 #: the rest of the body is read and dropped before the connection is closed

@@ -1,6 +1,6 @@
 """Error codes of the wire protocol and the one table that maps them to HTTP.
 
-Every refusal or error a guest can see has a stable ``code`` (SPEC §4.3). The
+Every refusal or error a guest can see has a stable ``code`` (docs/protocol.md). The
 HTTP status of a response is derived from that code here and nowhere else.
 """
 
@@ -16,7 +16,7 @@ __all__ = [
     "http_status_for",
 ]
 
-#: SPEC §4.3: every error code and the HTTP status it is sent with.
+#: docs/protocol.md, "What a response means": every error code and the HTTP status it is sent with.
 ERROR_STATUS: Final[Mapping[str, int]] = {
     "bad_request": 400,
     "unauthenticated": 401,
@@ -27,7 +27,7 @@ ERROR_STATUS: Final[Mapping[str, int]] = {
     "approval_rejected": 403,
     "approval_expired": 403,
     "not_found": 404,
-    # Not in SPEC's table: a known path with the wrong method (HTTP's own answer).
+    # Not in the protocol's table: a known path with the wrong method (HTTP's own answer).
     "method_not_allowed": 405,
     "cancelled": 409,
     "payload_too_large": 413,
@@ -40,7 +40,7 @@ ERROR_STATUS: Final[Mapping[str, int]] = {
     "result_invalid": 500,
     # Host faults: the store could not record the call, so it was not run.
     "store_unavailable": 503,
-    # SPEC §13 S9: the connection was refused before any request was read.
+    # docs/security.md, S9: the connection was refused before any request was read.
     "too_many_connections": 503,
     "internal_error": 500,
 }

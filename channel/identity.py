@@ -1,4 +1,4 @@
-"""Identity checks of SPEC §4.1, in the order the spec fixes.
+"""Identity checks of docs/protocol.md, "Every request carries four headers", in their order.
 
 Bearer credential and execution, then invocation, then plan, then liveness,
 then origin. The first failure decides the answer, so a request with a stale
@@ -54,7 +54,7 @@ def _bearer_token(authorization: str | None) -> bytes | None:
 
 
 def authenticate(headers: Mapping[str, str], directory: ExecutionDirectory) -> ExecutionPort:
-    """Checks 1-4 of SPEC §4.1 on the request headers.
+    """Checks 1-4 of docs/protocol.md, "Every request carries four headers" on the request headers.
 
     Raises:
         Refusal: ``unauthenticated``, ``plan_mismatch`` or ``execution_fenced``.
@@ -78,7 +78,7 @@ def authenticate(headers: Mapping[str, str], directory: ExecutionDirectory) -> E
 
 
 def check_origin(peer: Peer, execution: ExecutionPort, transport: asyncio.BaseTransport) -> None:
-    """Check 5 of SPEC §4.1: the peer process belongs to the guest.
+    """Check 5 of docs/protocol.md: the peer process belongs to the guest.
 
     ``peer`` is what the connection's peer was found to be when it was
     accepted. A sandboxed guest (``guest_pidns`` set) and everything it starts

@@ -1,4 +1,4 @@
-"""The one id syntax of the wire (SPEC §4.2), importable without the rest."""
+"""The one id syntax of the wire (docs/protocol.md, "Endpoints"), importable without the rest."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Final
 
 __all__ = ["CALL_ID_PATTERN", "is_valid_id"]
 
-#: SPEC §4.2: call ids and every id the CLI accepts.
+#: docs/protocol.md, "Endpoints": call ids and every id the CLI accepts.
 CALL_ID_PATTERN: Final = r"^[A-Za-z0-9._:-]{1,128}$"
 _ID_RE: Final = re.compile(CALL_ID_PATTERN)
 

@@ -1,4 +1,4 @@
-"""The OpenAPI 3.1 document of the guest protocol (SPEC §4).
+"""The OpenAPI 3.1 document of the guest protocol (docs/protocol.md).
 
 Built from the channel's own tables - the error codes and their HTTP statuses
 (:data:`channel.errors.ERROR_STATUS`), the id pattern, the longest long-poll -
@@ -35,7 +35,7 @@ _MAX_WAIT_S: Final = 60
 
 _IDENTITY_CODES: Final = ("unauthenticated", "plan_mismatch", "execution_fenced", "origin_denied")
 #: Answered to a new connection over its execution's limit, whatever it asks
-#: (SPEC §13 S9); origin_denied, too, to one whose process cannot be attributed.
+#: (docs/security.md, S9); origin_denied, too, to one whose process cannot be attributed.
 _CONNECTION_CODES: Final = ("too_many_connections",)
 
 #: The error codes each operation can answer with, besides its successes.

@@ -1,4 +1,4 @@
-"""Who is on the other end of a Unix socket connection (SPEC §4.1 origin, §13 S9).
+"""Who is on the other end of a Unix socket connection (docs/security.md, S9).
 
 The kernel tells us the peer's pid and uid (``SO_PEERCRED``), the pid as seen
 from our own pid namespace, 0 when the peer's process is not visible to us.

@@ -17,7 +17,7 @@ class BrokerPort(Protocol):
     """What the channel asks of an execution's broker."""
 
     async def call(self, call_id: str, tool: str, args: dict[str, Any]) -> CallReply:
-        """Run the pipeline of SPEC §5 for one call and return its reply."""
+        """Run the pipeline of docs/protocol.md for one call and return its reply."""
         ...
 
     async def status(self, call_id: str, wait_s: float) -> CallReply:

@@ -1,4 +1,4 @@
-"""The channel: HTTP/1.1 over one Unix socket, serving every execution (SPEC §4).
+"""The channel: HTTP/1.1 over one Unix socket, serving every execution (docs/protocol.md).
 
 Each connection is attributed to its guest and counted when it is accepted
 (:mod:`channel.connections`). Each request is authenticated first (headers
@@ -47,7 +47,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY: Final = 1024 * 1024
-#: SPEC §4.2: the longest long-poll a guest may ask for.
+#: docs/protocol.md, "Endpoints": the longest long-poll a guest may ask for.
 MAX_WAIT_S: Final = 60.0
 #: How long ``close()`` lets in-flight requests finish before dropping them.
 SHUTDOWN_GRACE_S: Final = 5.0
@@ -82,7 +82,7 @@ class ChannelServer:
     Args:
         directory: Where requests find their execution.
         socket_path: Where to listen.
-        origin_check: Check 5 of SPEC §4.1 (connections are attributed and
+        origin_check: Check 5 of docs/protocol.md (connections are attributed and
             counted either way).
         max_body: Longest request body accepted, in bytes.
         max_connections_per_group: Open connections allowed per sandbox (or,
@@ -286,7 +286,7 @@ class ChannelServer:
         )
 
     async def _get_openapi(self, request: web.Request) -> web.StreamResponse:
-        # Identity first, as on every request (SPEC §4.1): the socket serves
+        # Identity first, as on every request (docs/protocol.md): the socket serves
         # guests, and the document is in the repository for everyone else.
         await self._identify(request)
         return web.Response(body=document_bytes(), content_type="application/json")

@@ -1,4 +1,4 @@
-"""Wire models: the request body a guest sends and the reply it gets (SPEC §4).
+"""Wire models: the request body a guest sends and the reply it gets (docs/protocol.md).
 
 Untrusted bytes become typed data here, and only here: strict JSON first
 (duplicate keys and NaN/Infinity refused at any depth), then a pydantic model
@@ -146,7 +146,7 @@ class CallReply:
 
     @property
     def http_status(self) -> int:
-        """The HTTP status this reply is sent with (SPEC §4.3)."""
+        """The HTTP status this reply is sent with (docs/protocol.md, "What a response means")."""
         if self.status == "ok":
             return 200
         if self.status == "ambiguous":

@@ -341,7 +341,7 @@ def _parse_arguments(arguments: Any) -> tuple[dict[str, Any] | None, str | None]
         return None, f"arguments must be a JSON string, not {type(arguments).__name__}"
     if not arguments.strip():
         return {}, None
-    # The same strictness as the channel (SPEC 4.2), so that the model learns
+    # The same strictness as the channel (docs/protocol.md, "Endpoints"), so that the model learns
     # here, with a precise message, instead of from a 400.
     try:
         parsed = json.loads(

@@ -137,7 +137,7 @@ class GuestEnvironment:
         )
 
     def identity_headers(self) -> dict[str, str]:
-        """The headers that identify this guest on every request (SPEC 4.1)."""
+        """The headers that identify this guest on every request (docs/protocol.md)."""
         return {
             "Authorization": f"Bearer {self._credential}",
             "Hostcall-Invocation": self.invocation,

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["call_flow", "plan_flow", "poll_wait", "status_flow"]
 
-# SPEC 4.2: `?wait=` is 0-60 s.
+# docs/protocol.md, "Endpoints": `?wait=` is 0-60 s.
 MAX_POLL_WAIT_S = 60
 # Time the host gets, past `?wait=`, to answer a long-poll.
 POLL_GRACE_S = 2.0

@@ -28,7 +28,7 @@ __all__ = [
     "leases_from_environ",
 ]
 
-#: The variable the supervisor sets (an addition of hostcall's own, SPEC §3).
+#: The variable the supervisor sets (an addition of hostcall's own, docs/guests.md).
 LEASES_VARIABLE: Final = "HOSTCALL_APPROVAL_LEASES"
 
 #: Beyond the lease: time for the decision (or the expiry) to reach the guest.

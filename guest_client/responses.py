@@ -1,4 +1,4 @@
-"""What a response means (SPEC 4.3): a result, a call still pending, a call
+"""What a response means (docs/protocol.md): a result, a call still pending, a call
 with no record, or an error to raise.
 
 Plain functions of a `Response`; no I/O. Every protocol violation the client

@@ -27,7 +27,7 @@ __all__ = [
 CALLS_PATH = "/v1/calls"
 PLAN_PATH = "/v1/plan"
 MAX_CALL_ID_LENGTH = 128
-# SPEC 4.2: a call_id is 1-128 characters of [A-Za-z0-9._:-].
+# docs/protocol.md, "Endpoints": a call_id is 1-128 characters of [A-Za-z0-9._:-].
 _CALL_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
 
 
@@ -124,7 +124,7 @@ if TYPE_CHECKING:
 
 
 def validate_call_id(call_id: str) -> str:
-    """Check a call_id against SPEC 4.2 and return it.
+    """Check a call_id against docs/protocol.md, "Endpoints" and return it.
 
     Raises:
         ValueError: It is not 1-128 characters of `[A-Za-z0-9._:-]`.
@@ -185,6 +185,6 @@ def encode_call(call_id: str, tool: str, args: Mapping[str, Any] | None) -> byte
             raise TypeError(f"args must be a mapping (a JSON object), not {type(args).__name__}")
         payload = dict(args)
     body = {"call_id": validate_call_id(call_id), "tool": tool, "args": payload}
-    # allow_nan=False: the channel refuses NaN/Infinity (SPEC 4.2); fail here,
+    # allow_nan=False: the channel refuses NaN/Infinity (docs/protocol.md, "Endpoints"); fail here,
     # with a clear message, instead of after a round trip.
     return json.dumps(body, allow_nan=False, separators=(",", ":")).encode("utf-8")

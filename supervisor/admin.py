@@ -1,4 +1,4 @@
-"""The admin API (SPEC §9): ``<state_dir>/admin.sock``, same uid only, mode 0600.
+"""The admin API (docs/operations.md): ``<state_dir>/admin.sock``, same uid only, mode 0600.
 
 Operators (and ``hostcall approvals``/``calls``) decide proposals, list
 invocations and calls, cancel executions, revoke tools and scrape metrics.
@@ -175,7 +175,7 @@ class AdminServer:
             sock.listen(LISTEN_BACKLOG)
             # The channel's own listener: it keeps accepting through EMFILE
             # (uvloop's would drop the listener for good), so a guest that
-            # exhausts descriptors never locks the operator out (SPEC §13, S9).
+            # exhausts descriptors never locks the operator out (docs/security.md, S9).
             listener = ChannelListener(
                 sock,
                 lambda slot: ChannelConnection(server, slot, idle_timeout_s=IDLE_TIMEOUT_S),
@@ -225,7 +225,7 @@ class AdminServer:
 
     def _refusal(self, sock: Any) -> str | None:
         """Why the peer may not use the admin API, or None. Fails closed: a
-        peer it cannot attribute with certainty is refused (SPEC §13, S4)."""
+        peer it cannot attribute with certainty is refused (docs/security.md, S4)."""
         try:
             peer = peer_credentials(sock)
         except OSError:

@@ -1,4 +1,4 @@
-"""Approvals (SPEC §7): proposals, their lease, and who may decide them.
+"""Approvals (docs/approvals.md): proposals, their lease, and who may decide them.
 
 A proposal is one concrete call — invocation, execution, call_id, tool,
 canonical args, idempotency key — waiting for a human (or an ``approver``
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 ProposalState = Literal["waiting", "approved", "rejected", "expired", "cancelled", "dispatched"]
 Event = Literal["approve", "reject", "expire", "cancel", "dispatch"]
 
-#: SPEC §7: ``waiting → approved | rejected | expired | cancelled``;
+#: docs/approvals.md: ``waiting → approved | rejected | expired | cancelled``;
 #: ``approved → dispatched | expired | cancelled``. Nothing else moves.
 TRANSITIONS: Final[Mapping[tuple[ProposalState, Event], ProposalState]] = {
     ("waiting", "approve"): "approved",

@@ -1,4 +1,4 @@
-"""Auditing a receipt file: its hash chain, then what it claims (SPEC §8, §13).
+"""Auditing a receipt file: its hash chain, then what it claims (docs/approvals.md).
 
 The hash chain shows a file was not edited by someone who did not recompute
 it. A writer who recomputes every hash (a hostile guest once did) passes it,
@@ -16,7 +16,7 @@ every honest run:
    (``commit``, ``mark_unknown`` and ``release`` act on ``pending`` rows,
    ``begin`` reruns only ``unknown`` ones), so a committed call is replayed,
    never run again. A reversible call that runs again after ``unknown``
-   (SPEC §5 replay table) leaves ``unknown`` then *one* ``executed``: it
+   (the replay table, docs/protocol.md) leaves ``unknown`` then *one* ``executed``: it
    passes. An ``unknown`` receipt *between* two ``executed`` ones excuses
    nothing: it cannot undo the first commit. ``failed`` and ``unknown``
    receipts are not counted: a ``failed`` run left no effect and released
@@ -85,7 +85,7 @@ __all__ = [
 
 Severity = Literal["error", "warning"]
 
-#: Receipt outcomes SPEC §8 names.
+#: Receipt outcomes docs/approvals.md, "Receipts" names.
 _OUTCOMES: Final = frozenset(set(ReceiptOutcome))
 #: Outcomes that mean the handler ran and its record was committed.
 _RAN: Final = frozenset({ReceiptOutcome.EXECUTED, ReceiptOutcome.RESULT_INVALID})

@@ -213,7 +213,7 @@ class Broker:
                 await asyncio.sleep(min(POLL_INTERVAL_S, max(0.0, deadline - time.monotonic())))
 
     async def plan_view(self) -> dict[str, Any]:
-        """The plan as the guest sees it, with the budget left (SPEC §4.2)."""
+        """The plan as the guest sees it, with the budget left (docs/protocol.md, "Endpoints")."""
         record = await self.store.get_invocation(self.invocation_id)
         return {
             "plan_hash": self.plan.plan_hash,
@@ -566,7 +566,7 @@ async def _consume_async(result: Any) -> Any:
 
 def _checked_result(tool: Tool, raw: Any) -> tuple[Any, str | None, str | None]:
     """The JSON result and the sha256 of its JCS (checking it is JSON makes
-    that JCS once), or the reason it is invalid (SPEC §4.3 ``result_invalid``)."""
+    that JCS once), or the reason it is invalid (docs/protocol.md ``result_invalid``)."""
     result = raw
     if tool.output_adapter is not None:
         try:

@@ -82,7 +82,7 @@ def budget_allows(limits: BudgetLimits, used: BudgetUse, tool: str, cost: float)
 def budget_left(
     limits: BudgetLimits, used: BudgetUse | None, deadline_at: float | None
 ) -> dict[str, Any]:
-    """The budget as ``GET /v1/plan`` shows it (SPEC §4.2): each limit, what
+    """The budget as ``GET /v1/plan`` shows it (docs/protocol.md, "Endpoints"): each limit, what
     is left of it, the deadline; ``None`` for a limit that is not set."""
     calls = used.calls if used is not None else 0
     cost = used.cost if used is not None else 0.0

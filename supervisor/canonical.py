@@ -58,7 +58,7 @@ def sha256_hex(data: bytes) -> str:
 
 
 def idempotency_key(tool: str, canonical_args: Any) -> str:
-    """SPEC §5.4: ``sha256(JCS({"tool": name, "args": canonical_args}))`` in hex.
+    """docs/protocol.md, step 4: ``sha256(JCS({"tool": name, "args": canonical_args}))`` in hex.
 
     The same business input gives the same key whatever the ``call_id``.
     """

@@ -1,4 +1,4 @@
-"""A cgroup per guest execution: kernel-counted limits and an atomic stop (SPEC §13, S5/S6).
+"""A cgroup per guest execution: kernel-counted limits and an atomic stop (docs/security.md, S5/S6).
 
 The kernel charges every page of a guest's tree (anonymous, memfd, tmpfs: also
 pages in no process's RSS) and every task to its cgroup and refuses what would

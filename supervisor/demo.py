@@ -8,7 +8,7 @@ approval. Then the demo prints what the host recorded (receipts, effect
 records, proposals) and what the bank holds, so the at-most-once guarantee can
 be checked against the bank itself.
 
-SPEC §9 asks for the example "end to end, with no setup", so by default the
+docs/operations.md asks for the example "end to end, with no setup", so by default the
 approval step decides itself (an ``approver`` callback approves at once). With
 ``auto_approve=False`` (``hostcall demo --manual-approval``) an operator
 decides it from a second terminal (``hostcall approvals approve ID`` or
@@ -84,7 +84,7 @@ async def run_demo(state_dir: str | os.PathLike[str] | None, *, auto_approve: bo
 
     Args:
         state_dir: Where the supervisor keeps its state and the demo its bank;
-            when ``None``, ``$HOSTCALL_STATE_DIR``, else ``./.hostcall`` (SPEC §9).
+            when ``None``, ``$HOSTCALL_STATE_DIR``, else ``./.hostcall`` (docs/operations.md).
             The bank is made anew on every run; receipts accumulate.
         auto_approve: Approve the agent's proposal at once (the default: the
             demo runs unattended). Otherwise the demo prints how to decide it
@@ -142,7 +142,7 @@ async def run_demo(state_dir: str | os.PathLike[str] | None, *, auto_approve: bo
 
 
 def _state_dir(given: str | os.PathLike[str] | None) -> tuple[Path, Path]:
-    """The state dir as chosen (SPEC §9), and made absolute."""
+    """The state dir as chosen (docs/operations.md), and made absolute."""
     path = chosen_state_dir(given)
     return path, path.absolute()
 

@@ -54,7 +54,7 @@ class Execution:
     #: (the channel's origin check); ``None`` without one.
     guest_pidns: int | None = None
     guest_uid: int | None = None
-    #: The execution's ``"sandbox"`` (SPEC §13): ``"off"`` or what was used.
+    #: The execution's ``"sandbox"`` (docs/sandbox.md): ``"off"`` or what was used.
     sandbox: Mapping[str, Any] | str = "off"
     process: GuestProcess | None = None
     state: ExecutionState = ExecutionState.STARTING
@@ -143,7 +143,7 @@ class Execution:
 
         An execution that no longer accepts calls but whose guest is still
         being stopped is ``stopping``: ``ended``, ``cancelled`` or ``fenced``
-        mean that no process of it is alive any more (SPEC §13, S5).
+        mean that no process of it is alive any more (docs/security.md, S5).
         """
         stopping = not self.live and self.guest_pid is not None and self.outcome is None
         return {

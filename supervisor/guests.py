@@ -3,7 +3,7 @@
 :class:`GuestLauncher` holds what a supervisor found out once (can this host
 give a sandbox, and cgroups?) and starts each execution's guest:
 
-- **sandboxed** (the default, SPEC §13): bubblewrap builds the sandbox
+- **sandboxed** (the default, docs/sandbox.md): bubblewrap builds the sandbox
   (:mod:`supervisor.sandbox`), the guest joins the execution's cgroup before
   its first instruction (:mod:`supervisor.cgroups`), and the kernel ends all
   of it at once when its pid namespace's pid 1 dies;

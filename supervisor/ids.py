@@ -12,12 +12,12 @@ __all__ = ["is_valid_id", "mint_credential", "new_id"]
 
 
 def new_id(prefix: str) -> str:
-    """A fresh random id such as ``inv_3q…`` (valid per SPEC §4.2)."""
+    """A fresh random id such as ``inv_3q…`` (valid per docs/protocol.md, "Endpoints")."""
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
 def mint_credential() -> tuple[str, bytes]:
-    """A new execution credential and its SHA-256 (SPEC §1).
+    """A new execution credential and its SHA-256 (docs/protocol.md).
 
     Returns the credential (32 random bytes, base64url without padding), which
     goes to the guest and is then forgotten, and the digest, which is kept.

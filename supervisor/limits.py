@@ -12,7 +12,7 @@ EndReason = Literal[
     "signalled",  # a signal the supervisor did not send ended it
     "timeout",  # wall-clock timeout
     "cancelled",  # the admin API / Python API / hostcall itself stopped it
-    "fenced",  # a newer execution of its invocation took over (SPEC §13, S5)
+    "fenced",  # a newer execution of its invocation took over (docs/security.md, S5)
     "memory_limit",  # RSS of the whole tree over the limit
     "cpu_limit",  # CPU seconds of the whole tree over the limit
     "process_limit",  # more processes in the tree than allowed
@@ -20,7 +20,7 @@ EndReason = Literal[
 ]
 LIMIT_REASONS: Final = frozenset({"memory_limit", "cpu_limit", "process_limit", "open_files_limit"})
 
-#: ``hostcall run`` exits 124 when the timeout ended the guest (SPEC §9) …
+#: ``hostcall run`` exits 124 when the timeout ended the guest (docs/operations.md) …
 EXIT_TIMEOUT: Final = 124
 #: … and 125 when another limit did (hostcall's choice; the reason is in the summary).
 EXIT_LIMIT: Final = 125

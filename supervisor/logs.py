@@ -1,5 +1,5 @@
 """Guest output: passed through, kept per execution under the state dir, cut
-at an output budget, and never containing the credential (SPEC §13 S9).
+at an output budget, and never containing the credential (docs/security.md, S9).
 
 A guest may write without end. What it writes is kept, and passed through,
 only up to two budgets that apply at once: one shared by both streams of an
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 _KiB: Final = 1024
 _MiB: Final = 1024 * _KiB
-#: Output one execution may keep, its stdout and stderr together (SPEC §13 S9) …
+#: Output one execution may keep, its stdout and stderr together (docs/security.md, S9) …
 EXECUTION_OUTPUT_LIMIT: Final = 64 * _MiB
 #: … and all executions of one invocation together, across supervisor restarts.
 INVOCATION_OUTPUT_LIMIT: Final = 256 * _MiB
@@ -347,7 +347,7 @@ class Passthrough:
 
     A reader of our stdout that stops reading (a paused pager, a full pipe)
     must never block the event loop, which serves every guest, the admin API
-    and the sampler (SPEC §13, S9). Writes are queued and a daemon thread
+    and the sampler (docs/security.md, S9). Writes are queued and a daemon thread
     performs them; past :data:`PASSTHROUGH_BACKLOG` waiting bytes, output is
     dropped, and one line says how much once the reader catches up. The log
     files under the state dir still get everything (up to the budgets).

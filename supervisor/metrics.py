@@ -103,7 +103,7 @@ class Metrics:
 
 
 class MetricsListener:
-    """``GET /metrics`` over TCP for Prometheus (``--metrics-listen``; SPEC §14).
+    """``GET /metrics`` over TCP for Prometheus (``--metrics-listen``; docs/console.md).
 
     No token: metrics carry no secrets (tool names of the plan, counts, times).
     """

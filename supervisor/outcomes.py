@@ -31,7 +31,7 @@ class ExecutionOutcome:
     peak_rss_bytes: int | None
     peak_processes: int
     calls: Mapping[str, int]
-    #: ``"off"``, or the sandbox's namespaces and how its limits were held (SPEC §13).
+    #: ``"off"``, or the sandbox's namespaces and how its limits were held (docs/sandbox.md).
     sandbox: Mapping[str, Any] | str = "off"
 
     @property

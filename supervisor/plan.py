@@ -1,4 +1,4 @@
-"""Plans: the sealed set of tools and limits one invocation runs under (SPEC §10)."""
+"""Plans: the sealed set of tools and limits one invocation runs under (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ class Plan:
         )
 
     def resolved(self) -> dict[str, Any]:
-        """The resolved plan: what ``plan_hash`` is the hash of (SPEC §10).
+        """The resolved plan: what ``plan_hash`` is the hash of (docs/operations.md, "Plans").
 
         A ``[sandbox]`` table enters it only when it asks for more than the
         defaults, so plans without one keep the hash they always had.

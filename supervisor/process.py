@@ -1,4 +1,4 @@
-"""Guest processes: what every guest gets, and the unsandboxed start and stop (SPEC §3).
+"""Guest processes: what every guest gets, and the unsandboxed start and stop (docs/guests.md).
 
 A guest gets its own session and process group, the ``HOSTCALL_*`` variables,
 and its credential through an inherited pipe, never argv or (by default) its
@@ -23,7 +23,7 @@ from typing import IO, Any, Final, Literal
 import psutil
 
 from supervisor.spawn import GuestProcess, spawn
-from supervisor.tracking import GuestTree, is_subreaper
+from supervisor.tracking import GuestTree, is_alive, is_subreaper
 
 __all__ = [
     "STOP_GRACE_S",
@@ -210,7 +210,7 @@ async def stop_tree(
     if (
         process.returncode is not None
         and not _group_alive(pgid)
-        and not any(_alive(p) for p in tree.seen.values())
+        and not any(is_alive(p) for p in tree.seen.values())
         and not orphans()
     ):
         return []  # the common case: the guest exited and left nothing behind
@@ -219,29 +219,22 @@ async def stop_tree(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     while True:
-        members = [m for m in everyone() if _alive(m)]
+        members = [m for m in everyone() if is_alive(m)]
         _reap_adopted(tree, pgid)
         if process.returncode is not None and not members and not _group_alive(pgid):
             return []
         if loop.time() >= deadline:
             break
         await asyncio.sleep(_STOP_POLL_S)
-    members = [m for m in everyone(scan_environments=True) if _alive(m)]
+    members = [m for m in everyone(scan_environments=True) if is_alive(m)]
     _signal_all(pgid, members, signal.SIGKILL)
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(grace_s):
             await wait_exited(process)
-            while any(_alive(m) for m in members):  # noqa: ASYNC110 - no event for other pids
+            while any(is_alive(m) for m in members):  # noqa: ASYNC110 - no event for other pids
                 await asyncio.sleep(_STOP_POLL_S)
     _reap_adopted(tree, pgid)
-    survivors = [m.pid for m in members if _alive(m)]
+    survivors = [m.pid for m in members if is_alive(m)]
     if survivors:
         logger.error("processes of %s survived SIGKILL: %s", tree.execution_id, survivors)
     return survivors
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

@@ -1,4 +1,4 @@
-"""The supervisor protects itself, sandbox or not (SPEC §13, last paragraph).
+"""The supervisor protects itself, sandbox or not (docs/sandbox.md, last paragraph).
 
 - **Not dumpable** (``PR_SET_DUMPABLE`` 0): processes of the supervisor's uid
   — an unsandboxed guest among them — can neither ptrace it nor read its
@@ -83,7 +83,7 @@ def protect_process() -> None:
 class RateLimit(logging.Filter):
     """Lets at most ``burst`` records through per ``period_s``, then one line
     saying how many were dropped: a guest that sends malformed frames in a
-    loop must not fill the supervisor's log (SPEC §13, S9)."""
+    loop must not fill the supervisor's log (docs/security.md, S9)."""
 
     def __init__(self, burst: int = LOG_BURST, period_s: float = LOG_PERIOD_S) -> None:
         super().__init__()

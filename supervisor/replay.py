@@ -1,4 +1,4 @@
-"""The replay table of SPEC §5.5, as one pure function.
+"""The replay table of docs/protocol.md, "The call pipeline", step 5, as one pure function.
 
 Given the effect record found for ``(invocation, call_id)`` (or none) and the
 call being made, decide what happens. Everything that decides whether a
@@ -36,7 +36,7 @@ class ReplayDecision:
 def decide_replay(
     record: EffectRecord | None, tool: str, idempotency_key: str, reversible: bool
 ) -> ReplayDecision:
-    """Apply the replay table (SPEC §5.5) row by row, in its order."""
+    """Apply the replay table (docs/protocol.md, step 5) row by row, in its order."""
     if record is None:
         return ReplayDecision(Replay.CONTINUE, None)
     if record.tool != tool or record.idempotency_key != idempotency_key:

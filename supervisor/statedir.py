@@ -1,4 +1,4 @@
-"""The state dir: its lock, its layout and where its sockets live (SPEC §6, §9)."""
+"""The state dir: its lock, its layout and where its sockets live (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -16,18 +16,18 @@ from supervisor.sockets import MAX_SOCKET_PATH
 __all__ = ["StateDir", "chosen_state_dir"]
 
 #: Where a command keeps its state when neither ``--state-dir`` nor the
-#: environment names a place (SPEC §9).
+#: environment names a place (docs/operations.md).
 DEFAULT_STATE_DIR: Final = ".hostcall"
 
 
 def chosen_state_dir(given: str | os.PathLike[str] | None) -> Path:
     """``given`` (``--state-dir``), else ``$HOSTCALL_STATE_DIR``, else
-    ``./.hostcall`` (SPEC §9)."""
+    ``./.hostcall`` (docs/operations.md)."""
     return Path(given or os.environ.get("HOSTCALL_STATE_DIR") or DEFAULT_STATE_DIR)
 
 
 def _owner_only(folder: Path) -> None:
-    """Make a folder of ours 0700 (SPEC §13), never following a symlink.
+    """Make a folder of ours 0700 (docs/sandbox.md), never following a symlink.
 
     Raises:
         UnsafeStateDir: it is a symlink or belongs to another user.
@@ -115,7 +115,7 @@ class StateDir:
             preferred.mkdir(mode=0o700, exist_ok=True)
             _owner_only(preferred)
             return preferred
-        # Too long for sun_path: a private short directory instead (SPEC §3).
+        # Too long for sun_path: a private short directory instead (docs/guests.md).
         base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
         if len(base) > 60:
             base = "/tmp"

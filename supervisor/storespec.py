@@ -1,4 +1,4 @@
-"""What a ``--store`` / ``HOSTCALL_STORE`` value names (SPEC §9), parsed in one
+"""What a ``--store`` / ``HOSTCALL_STORE`` value names (docs/operations.md), parsed in one
 place. Standard library only: the CLI parses it before it loads a store."""
 
 from __future__ import annotations

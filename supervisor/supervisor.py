@@ -79,7 +79,7 @@ class _Invocation:
     plan: Plan
     receipts: Receipts
     deadline_at: float | None
-    #: Output all its executions here may still keep (SPEC §13 S9).
+    #: Output all its executions here may still keep (docs/security.md, S9).
     output: OutputBudget
     revoked: set[str] = field(default_factory=set)
 
@@ -117,7 +117,7 @@ class Supervisor:
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         self.state = StateDir(state_dir)
-        #: Whether guests run in a sandbox (SPEC §13); the default.
+        #: Whether guests run in a sandbox (docs/sandbox.md); the default.
         self.sandboxed = sandbox
         self._guest_uid = guest_uid
         self._max_connections = max_connections_per_execution
@@ -198,7 +198,7 @@ class Supervisor:
             sandbox_host = await asyncio.to_thread(SandboxHost.probe, self._guest_uid)
         self.state.acquire()
         try:
-            # Not dumpable, enough descriptors (SPEC §13: the supervisor protects itself).
+            # Not dumpable, enough descriptors (docs/sandbox.md: the supervisor protects itself).
             protect_process()
             # Orphans of a guest's tree become our children, not init's: none escapes.
             become_subreaper()
@@ -662,7 +662,7 @@ async def _wait_for_guest(
     """Wait until the guest exits (``exited``), its execution is cancelled
     (``cancelled``, or a limit's reason), fenced by a newer attempt
     (``fenced``) or the timeout passes (``timeout``). The caller then ends
-    its whole tree: nothing of an ended execution may run on (SPEC §13, S5).
+    its whole tree: nothing of an ended execution may run on (docs/security.md, S5).
     """
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s

@@ -4,7 +4,7 @@
 input model from the signature (through pydantic), the output schema from the
 return annotation, and the reversibility, where the strictest tag found on the
 handler or anything it wraps (``__wrapped__``) wins and no tag means
-irreversible (SPEC §10).
+irreversible (docs/operations.md, "Plans").
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ class Tool:
         return (), {name: getattr(model, name) for name in type(model).model_fields}
 
     def describe(self) -> dict[str, Any]:
-        """This tool as ``GET /v1/plan`` shows it (SPEC §4.2)."""
+        """This tool as ``GET /v1/plan`` shows it (docs/protocol.md, "Endpoints")."""
         return {
             "name": self.name,
             "description": self.description,

@@ -39,6 +39,7 @@ __all__ = [
     "TreeTracker",
     "become_subreaper",
     "descendants",
+    "is_alive",
     "is_subreaper",
     "pid_namespace",
     "process_map",
@@ -122,7 +123,7 @@ class GuestTree:
             found[self.root_pid] = psutil.Process(self.root_pid)
         for process in self.seen.values():
             # is_running() also compares the start time: a reused pid is not it.
-            if process.pid not in found and _running(process):
+            if process.pid not in found and is_alive(process):
                 found[process.pid] = process
         stack = list(found)
         while stack:
@@ -133,7 +134,7 @@ class GuestTree:
                         stack.append(child)
         if zombies:  # exited but not yet reaped: still ours to reap once adopted
             return [p for p in found.values() if _exists(p)]
-        return [p for p in found.values() if _running(p)]
+        return [p for p in found.values() if is_alive(p)]
 
     def sample(self, snapshot: dict[int, ProcStat], children_of: dict[int, list[int]]) -> None:
         """Measure the tree once from one :func:`proc_snapshot` and check the limits.
@@ -374,7 +375,8 @@ def _exists(process: psutil.Process) -> bool:
         return False
 
 
-def _running(process: psutil.Process) -> bool:
+def is_alive(process: psutil.Process) -> bool:
+    """Whether ``process`` (that very process: pid and start time) runs, not a zombie."""
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -530,7 +532,7 @@ class TreeTracker:
                 self.sample_all()
             except Exception:
                 # Boundary: EMFILE, a /proc read that fails, anything a guest can
-                # provoke: skip this tick, never stop sampling (SPEC §13).
+                # provoke: skip this tick, never stop sampling (docs/sandbox.md).
                 self._failures += 1
                 if self._failures in (1, 10, 100) or self._failures % 1000 == 0:
                     logger.exception("a sample of the guests failed (%d so far)", self._failures)

@@ -26,7 +26,7 @@ MAX_CALLS: Final = 500
 #: Bytes read from the end of each log file for its tail.
 TAIL_BYTES: Final = 256 * 1024
 
-#: What each receipt outcome says about the handler (SPEC §4.3 ``effect``).
+#: What each receipt outcome says about the handler (docs/protocol.md ``effect``).
 _EFFECT: Final[Mapping[str, str]] = {
     ReceiptOutcome.EXECUTED: "executed",
     ReceiptOutcome.RESULT_INVALID: "executed",

@@ -1,4 +1,4 @@
-"""The ``hostcall`` command line (SPEC §9; docs/operations.md)."""
+"""The ``hostcall`` command line (docs/operations.md)."""
 
 from __future__ import annotations
 

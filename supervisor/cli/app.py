@@ -62,7 +62,7 @@ _COMMANDS: Final = {
 
 
 def state_dir_of(args: argparse.Namespace) -> Path:
-    """``--state-dir``, given anywhere on the line, else the default (SPEC §9)."""
+    """``--state-dir``, given anywhere on the line, else the default (docs/operations.md)."""
     from supervisor.statedir import chosen_state_dir
 
     return chosen_state_dir(getattr(args, "state_dir", None))

@@ -1,4 +1,4 @@
-"""The ``hostcall`` command line's grammar (SPEC §9). Standard library only:
+"""The ``hostcall`` command line's grammar (docs/operations.md). Standard library only:
 ``hostcall --help`` loads nothing else (docs/operations.md, "A fast start")."""
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _serving(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--no-sandbox",
         action="store_true",
-        help="start guests without the sandbox (SPEC §13): only for guests you trust",
+        help="start guests without the sandbox (docs/sandbox.md): only for guests you trust",
     )
     sub.add_argument(
         "--console",

@@ -218,7 +218,7 @@ async def _run(
 
 def _report(args: argparse.Namespace, outcome: RunOutcome) -> None:
     """The summary: a line per execution on stderr, or with ``--json`` the JSON
-    outcome as stderr's last line (SPEC §9: the summary goes to stderr); with
+    outcome as stderr's last line (docs/operations.md: the summary goes to stderr); with
     ``--json FILE`` (``-``: stdout) the lines stay and the JSON goes there,
     apart from any guest output."""
     text = json.dumps(outcome.to_json())

@@ -1,4 +1,4 @@
-"""The operator console (SPEC §14): a web page on a loopback port.
+"""The operator console (docs/console.md): a web page on a loopback port.
 
 It is a client of the admin API, like the CLI: every figure it shows is read
 from ``<state_dir>/admin.sock``, and Approve / Reject are the admin API's

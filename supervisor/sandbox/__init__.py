@@ -1,4 +1,4 @@
-"""The guest sandbox (SPEC §13): bubblewrap namespaces and mounts around every guest.
+"""The guest sandbox (docs/sandbox.md): bubblewrap namespaces and mounts around every guest.
 
 - :mod:`.policy` — the plan's ``[sandbox]`` table and what a writable path may not hold;
 - :mod:`.paths` — what the guest's command needs from the host, and who may reach it;

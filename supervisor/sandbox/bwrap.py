@@ -1,6 +1,6 @@
 """bubblewrap: what this host can do, and the command line of one sandboxed guest.
 
-Two ways to start a guest, chosen by who the supervisor is (SPEC §13, S7):
+Two ways to start a guest, chosen by who the supervisor is (docs/security.md, S7):
 
 - **as root**: bubblewrap runs as root (so it can bind anything the command
   needs, ``/root`` included) with no user namespace, keeps only
@@ -98,7 +98,7 @@ class SandboxLaunch:
     #: What runs inside: ``[setpriv …] CMD ARG…``.
     command: tuple[str, ...]
     env: Mapping[str, str]
-    #: The execution's ``"sandbox"`` object (SPEC §13), ``limits`` added by the caller.
+    #: The execution's ``"sandbox"`` object (docs/sandbox.md), ``limits`` added by the caller.
     description: Mapping[str, Any]
     #: Host paths shown and masked (for tests and the debug log).
     exposed: tuple[Path, ...] = ()

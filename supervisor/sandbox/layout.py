@@ -1,6 +1,6 @@
 """The guest's view of the file system, as a list of bubblewrap mount options.
 
-SPEC §13, "What it has": a read-only view of the host's file system with the
+docs/sandbox.md, "What it has": a read-only view of the host's file system with the
 state dir and the plan's ``hide`` list absent; every path the command
 resolves through readable and executable for the guest's uid; an empty
 private ``/tmp``; a writable working directory, fresh per execution unless the
@@ -41,7 +41,7 @@ __all__ = ["GUEST_RUN_DIR", "GUEST_SOCKET", "GUEST_WORKDIR", "Layout"]
 
 #: Where hostcall's own things live inside every sandbox.
 GUEST_RUN_DIR: Final = Path("/run/hostcall")
-#: ``HOSTCALL_SOCKET`` as the guest sees it (SPEC §3: the path inside).
+#: ``HOSTCALL_SOCKET`` as the guest sees it (docs/guests.md: the path inside).
 GUEST_SOCKET: Final = GUEST_RUN_DIR / "channel.sock"
 #: The fresh working directory, when the launch folder cannot be shown.
 GUEST_WORKDIR: Final = GUEST_RUN_DIR / "work"

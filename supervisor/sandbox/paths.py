@@ -5,7 +5,7 @@ Two questions the sandbox builder asks of real paths:
 - which host paths does the command resolve through — the executable found on
   ``PATH``, every symlink hop to its real file, the interpreter of a ``#!``
   script, a virtual environment and the Python it was made from, and the
-  files named in its arguments (SPEC §13: they "stay readable and executable
+  files named in its arguments (docs/sandbox.md: they "stay readable and executable
   for the guest's uid");
 - can a given uid traverse to a path at all (a supervisor running as root
   starts guests under an unprivileged uid, for which ``/root`` is closed).
@@ -179,7 +179,7 @@ def _python_imports(prefix: Path) -> list[Path]:
 
 
 def command_paths(argv: Sequence[str], env: Mapping[str, str], cwd: Path) -> list[Path]:
-    """The host paths the guest's command resolves through (SPEC §13).
+    """The host paths the guest's command resolves through (docs/sandbox.md).
 
     The executable (``PATH`` lookup in the guest's own environment), each
     symlink hop, the installation prefix of every resolved executable, the

@@ -1,4 +1,4 @@
-"""The plan's ``[sandbox]`` table (SPEC §13) and the rules its paths must obey.
+"""The plan's ``[sandbox]`` table (docs/sandbox.md) and the rules its paths must obey.
 
 ```toml
 [sandbox]

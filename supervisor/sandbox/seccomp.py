@@ -7,7 +7,7 @@ other guests through the kernel. The filter refuses them (``EPERM``):
 - ``ptrace``, ``process_vm_readv``/``writev``, ``process_madvise``,
   ``pidfd_getfd``: the sandbox's own pid 1 (bubblewrap's) shares the guest's
   uid when the supervisor is not root; a guest that could trace it could clear
-  its parent-death signal and outlive a killed supervisor (SPEC §13, S5);
+  its parent-death signal and outlive a killed supervisor (docs/security.md, S5);
 - ``keyctl``, ``add_key``, ``request_key``: a root supervisor runs every guest
   as uid 65534, whose kernel keyring they would all share;
 - ``bpf``, ``userfaultfd``: kernel attack surface no agent needs;

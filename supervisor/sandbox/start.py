@@ -1,4 +1,4 @@
-"""Starting and stopping a sandboxed guest (SPEC §13).
+"""Starting and stopping a sandboxed guest (docs/sandbox.md).
 
 The process we start is bubblewrap's monitor, whose child becomes pid 1 of the
 guest's own pid namespace and starts the command. Nothing of the guest can

@@ -1,4 +1,4 @@
-"""What a sandboxed guest uses, and the limits it may not cross (SPEC §13, S6).
+"""What a sandboxed guest uses, and the limits it may not cross (docs/security.md, S6).
 
 With a cgroup (:mod:`supervisor.cgroups`) the kernel counts and enforces:
 memory (including memfd and tmpfs pages, which are in no process's RSS) and

@@ -1,4 +1,4 @@
-"""Effect stores (SPEC §6) and how a ``--store`` value selects one."""
+"""Effect stores (docs/operations.md, "Stores") and how a ``--store`` value selects one."""
 
 from __future__ import annotations
 

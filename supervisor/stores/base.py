@@ -1,4 +1,4 @@
-"""The effect store interface (SPEC §6) and the records it keeps.
+"""The effect store interface (docs/operations.md, "Stores") and the records it keeps.
 
 At-most-once rests on one primitive, :meth:`EffectStore.begin`: insert a
 ``pending`` record if there is none, atomically with respect to every other
@@ -74,7 +74,7 @@ class StartCall:
     reversible: bool
 
     def reruns(self, record: EffectRecord) -> bool:
-        """Whether ``begin`` runs ``record``'s call again (SPEC §5 step 5): a
+        """Whether ``begin`` runs ``record``'s call again (docs/protocol.md, step 5): a
         reversible tool whose outcome is in doubt, same tool and arguments."""
         return (
             self.reversible

@@ -327,7 +327,7 @@ class JournalingStore(Protocol):
 
 
 class JournaledReceipts:
-    """Receipts written through the SQLite store (SPEC §8, one fsync per call).
+    """Receipts written through the SQLite store (docs/approvals.md, one fsync per call).
 
     The store chains each receipt and journals its line in the transaction
     that records the call (a committed call's receipt shares its commit), then

@@ -1,4 +1,4 @@
-"""The effect store that supervisor replicas on several hosts share: PostgreSQL (SPEC §6).
+"""The effect store that replicas on several hosts share: PostgreSQL (docs/operations.md).
 
 At-most-once across hosts rests on PostgreSQL alone: ``begin`` is one
 ``INSERT … ON CONFLICT DO NOTHING RETURNING`` (or, for a reversible tool, one

@@ -1,4 +1,4 @@
-"""The default effect store: one SQLite database in WAL mode (SPEC §6).
+"""The default effect store: one SQLite database in WAL mode (docs/operations.md, "Stores").
 
 One connection, used by one thread at a time (under a lock). Operations
 queued in one turn of the event loop share a transaction (group commit):
@@ -596,7 +596,7 @@ def _settle(outcomes: list[_Settled]) -> None:
 
 def _private(database: Path) -> None:
     """The database file, and with it its ``-wal`` and ``-shm`` (SQLite gives
-    them the database's mode), readable by its owner only (SPEC §13)."""
+    them the database's mode), readable by its owner only (docs/sandbox.md)."""
     with contextlib.suppress(FileExistsError):
         os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     for path in (database, Path(f"{database}-wal"), Path(f"{database}-shm")):

@@ -147,11 +147,13 @@ def test_the_table_of_ended_executions_is_capped() -> None:
     """Past the cap, the oldest ended executions are forgotten (their stale
     credentials then get ``unauthenticated`` instead of ``execution_fenced``)."""
     from supervisor.executions import Execution, ExecutionTable
+    from supervisor.outcomes import ExecutionOutcome
 
     table = ExecutionTable(max_ended=3)
     for n in range(5):
         execution = Execution(f"exe_{n}", "inv", "sha256:x", b"", None)  # type: ignore[arg-type]
         table.add(execution)
         execution.end()
-        table.retire(execution)
+        ended = ExecutionOutcome(execution.execution_id, 0, None, "exited", 0.0, 0.0, None, 0, {})
+        table.retire(execution, ended)
     assert [e.execution_id for e in table] == ["exe_2", "exe_3", "exe_4"]
