@@ -23,8 +23,9 @@ from typing import Any, Final, Protocol
 from aiohttp import web
 
 from channel.connections import ChannelConnection, ChannelListener
+from channel.ids import is_path_safe_id
 from channel.peer import peer_credentials, still_alive
-from channel.wire import is_valid_id, parse_strict_json
+from channel.wire import parse_strict_json
 from supervisor.activity import Activity, notice_json
 from supervisor.approvals import ApprovalController, ProposalNotFound, ProposalNotWaiting
 from supervisor.errors import HostcallError, Refusal
@@ -366,9 +367,11 @@ class AdminServer:
             raise Refusal("bad_request", f"unknown fields {sorted(unknown)}")
         invocation = body.get("invocation")
         if invocation is not None and (
-            not isinstance(invocation, str) or not is_valid_id(invocation)
+            not isinstance(invocation, str) or not is_path_safe_id(invocation)
         ):
-            raise Refusal("bad_request", "invocation ids are 1-128 characters of [A-Za-z0-9._:-]")
+            raise Refusal(
+                "bad_request", "invocation ids are 1-128 characters of [A-Za-z0-9._:-], not . or .."
+            )
         timeout_s = body.get("timeout_s")
         if timeout_s is not None and (
             not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or timeout_s <= 0

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.ids import is_path_safe_id
 from supervisor.stores.base import EffectStore, InvocationRecord
 
 __all__ = ["GcReport", "collect"]
@@ -126,7 +127,7 @@ async def collect(
         if now - await _last_activity(store, state_dir, inv) < older_than_s:
             continue
         logs = state_dir / "logs" / invocation_id
-        if logs.is_dir() and not logs.is_symlink():
+        if is_path_safe_id(invocation_id) and logs.is_dir() and not logs.is_symlink():
             report.logs_removed.append(invocation_id)
             if not dry_run:
                 await asyncio.to_thread(shutil.rmtree, logs, True)

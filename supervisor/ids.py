@@ -6,9 +6,9 @@ import base64
 import hashlib
 import secrets
 
-from channel.ids import is_valid_id
+from channel.ids import is_path_safe_id, is_valid_id
 
-__all__ = ["is_valid_id", "mint_credential", "new_id"]
+__all__ = ["is_path_safe_id", "is_valid_id", "mint_credential", "new_id"]
 
 
 def new_id(prefix: str) -> str:

@@ -31,7 +31,7 @@ from supervisor.errors import InvocationMismatch
 from supervisor.executions import Execution, ExecutionState, ExecutionTable
 from supervisor.guests import GuestLauncher
 from supervisor.hostlog import HostLog, about
-from supervisor.ids import is_valid_id, mint_credential, new_id
+from supervisor.ids import is_path_safe_id, mint_credential, new_id
 from supervisor.limits import EndReason, Limits
 from supervisor.logs import (
     EXECUTION_OUTPUT_LIMIT,
@@ -339,8 +339,8 @@ class Supervisor:
                 max_open_files=limits.max_open_files if limits else None,
             )
         invocation_id = invocation_id or new_id("inv")
-        if not is_valid_id(invocation_id):
-            raise ValueError("invocation ids are 1-128 characters of [A-Za-z0-9._:-]")
+        if not is_path_safe_id(invocation_id):
+            raise ValueError("invocation ids are 1-128 characters of [A-Za-z0-9._:-], not . or ..")
         await self._open_invocation(plan, invocation_id)  # refuses a mismatched plan first
         launch = _Launch(argv, limits or Limits(), env, cwd, stdin, stdout, stderr, on_start)
         outcomes: list[ExecutionOutcome] = []

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 from supervisor.admin_client import AdminClient, AdminError, SupervisorNotRunning
 from supervisor.cli.app import EXIT_FAILED, EXIT_USAGE, one_line, state_dir_of
 from supervisor.errors import HostcallError
-from supervisor.ids import is_valid_id
+from supervisor.ids import is_path_safe_id
 from supervisor.storespec import parse_store
 
 if TYPE_CHECKING:
@@ -390,7 +390,7 @@ def receipts(args: argparse.Namespace) -> int:
 
     named = getattr(args, "state_dir", None)  # only when --state-dir was given
     path = Path(args.file)
-    if not path.exists() and is_valid_id(args.file) and "/" not in args.file:
+    if not path.exists() and is_path_safe_id(args.file):
         path = state_dir_of(args) / "receipts" / f"{args.file}.jsonl"
         if not path.exists():
             raise _Unusable(

@@ -8,7 +8,7 @@ import re
 from typing import Final, NoReturn
 
 from supervisor.addresses import Listen, parse_host_port, parse_listen
-from supervisor.ids import is_valid_id
+from supervisor.ids import is_path_safe_id
 
 __all__ = ["DEFAULT_CONSOLE_PORT", "build_parser", "parse_age"]
 
@@ -20,8 +20,8 @@ _AGE_UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def _id(value: str) -> str:
-    if not is_valid_id(value):
-        raise argparse.ArgumentTypeError("ids are 1-128 characters of [A-Za-z0-9._:-]")
+    if not is_path_safe_id(value):
+        raise argparse.ArgumentTypeError("ids are 1-128 characters of [A-Za-z0-9._:-], not . or ..")
     return value
 
 

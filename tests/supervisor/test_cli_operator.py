@@ -238,6 +238,8 @@ def mistakes(tmp: Path, plan: Path) -> list[tuple[str, list[str], int, str]]:
         ),
         ("console not loopback", [*run, "--console", "0.0.0.0:1", "--", "true"], 2, "loopback"),
         ("bad gc age", ["gc", "--older-than", "soon", *state], 2, "not an age"),
+        # The id syntax allows "..", but an invocation id names a folder and a file.
+        ("invocation ..", [*run, "--invocation", "..", "--", "true"], 2, "not . or .."),
     ]
 
 
