@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from typing import Final
 
-__all__ = ["Listen", "parse_host_port", "parse_listen"]
+__all__ = ["CONSOLE_PORT", "Listen", "parse_host_port", "parse_listen"]
+
+#: The port ``hostcall console`` listens on unless told (docs/console.md).
+CONSOLE_PORT: Final = 8765
 
 
 @dataclass(frozen=True, slots=True)

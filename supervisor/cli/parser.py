@@ -7,13 +7,11 @@ import argparse
 import re
 from typing import Final, NoReturn
 
-from supervisor.addresses import Listen, parse_host_port, parse_listen
+from supervisor.addresses import CONSOLE_PORT, Listen, parse_host_port, parse_listen
 from supervisor.ids import is_path_safe_id
 
-__all__ = ["DEFAULT_CONSOLE_PORT", "build_parser", "parse_age"]
+__all__ = ["build_parser", "parse_age"]
 
-#: The port ``hostcall console`` listens on unless told (docs/console.md).
-DEFAULT_CONSOLE_PORT: Final = 8765
 PROPOSAL_STATES: Final = ("waiting", "approved", "rejected", "expired", "cancelled", "dispatched")
 _AGE: Final = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _AGE_UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -185,9 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--console",
         dest="listen",
         type=_listen,
-        default=f"127.0.0.1:{DEFAULT_CONSOLE_PORT}",
+        default=f"127.0.0.1:{CONSOLE_PORT}",
         metavar="[HOST:]PORT",
-        help=f"loopback address and port (default 127.0.0.1:{DEFAULT_CONSOLE_PORT}; 0: any)",
+        help=f"loopback address and port (default 127.0.0.1:{CONSOLE_PORT}; 0: any)",
     )
 
     demo = command("demo", "run the bundled billing example end to end")

@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from supervisor.addresses import Listen, parse_listen
-from supervisor.console.server import DEFAULT_PORT, ConsoleServer
+from supervisor.console.server import ConsoleServer
 
-__all__ = ["DEFAULT_PORT", "ConsoleServer", "Listen", "parse_listen"]
+__all__ = ["ConsoleServer", "Listen", "parse_listen"]

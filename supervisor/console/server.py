@@ -57,8 +57,6 @@ __all__ = ["ConsoleServer", "Listen", "parse_listen"]
 logger = logging.getLogger(__name__)
 
 STATIC: Final = Path(__file__).with_name("static")
-#: The port ``hostcall console`` listens on unless told.
-DEFAULT_PORT: Final = 8765
 #: How often the call counters are sampled for the chart …
 SAMPLE_INTERVAL_S: Final = 2.0
 #: … and how many samples are kept (ten minutes).
