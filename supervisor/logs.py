@@ -334,12 +334,16 @@ PASSTHROUGH_DRAIN_S: Final = 5.0
 
 
 class Interposer(Protocol):
-    """A line drawn on the same terminal as guest output (see :class:`Passthrough`)."""
+    """A line drawn on the same terminal as guest output (see :class:`Passthrough`):
+    erased before guest output is written, told what was written (a line it
+    cuts in two must not be drawn over), both under its lock."""
 
     @property
     def lock(self) -> threading.Lock: ...
 
     def clear_locked(self) -> None: ...
+
+    def wrote_locked(self, data: bytes) -> None: ...
 
 
 class Passthrough:
@@ -427,6 +431,7 @@ class Passthrough:
                         interposer.clear_locked()
                         self._buffer.write(data)
                         self._buffer.flush()
+                        interposer.wrote_locked(data)
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait (bounded) until everything queued so far has been written."""

@@ -58,16 +58,25 @@ def _calls_text(calls: Mapping[str, int]) -> str:
 
 
 class StatusLine:
-    """One line redrawn in place at the bottom of a terminal.
+    """One line redrawn in place at the bottom of a terminal, by a thread of its own.
 
-    Guest output is written by :class:`Passthrough`'s thread; both take
-    :attr:`lock`, and the line is cleared before anything else is written.
+    The event loop only hands it the text (:meth:`show`): a terminal that stops
+    reading (a paused scroll) never blocks the loop. Guest output is written
+    by :class:`Passthrough`'s threads; all take :attr:`lock`, the line is
+    erased before anything else is written, and it is not drawn while the
+    last thing written ends mid-line (``\r`` would return over it).
     """
 
     def __init__(self, stream: IO[str]) -> None:
         self.lock = threading.Lock()
         self._stream = stream
         self._shown = False
+        self._mid_line = False
+        self._text: str | None = None
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="hostcall-status", daemon=True)
+        self._thread.start()
 
     def clear_locked(self) -> None:
         """Erase the line (hold :attr:`lock`)."""
@@ -77,34 +86,60 @@ class StatusLine:
                 self._stream.flush()
             self._shown = False
 
+    def wrote_locked(self, data: bytes) -> None:
+        """Something else was written (hold :attr:`lock`)."""
+        if data:
+            self._mid_line = not data.endswith(b"\n")
+
     def show(self, text: str) -> None:
-        """Draw ``text`` (cut to the terminal's width) in place of the line."""
-        try:
-            width = os.get_terminal_size(self._stream.fileno()).columns or 100  # 0: unset
-        except (OSError, ValueError):
-            width = 100
-        with self.lock, contextlib.suppress(OSError, ValueError):
-            self._stream.write("\r\x1b[K" + text[: max(10, width - 1)])
-            self._stream.flush()
-            self._shown = True
+        """Draw ``text`` in place of the line, soon; never blocks."""
+        self._text = text
+        self._wake.set()
 
-    def say(self, line: str) -> None:
-        """Print a whole line above the status line."""
-        with self.lock:
-            self.clear_locked()
-            with contextlib.suppress(OSError, ValueError):
-                print(line, file=self._stream, flush=True)
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Erase the line and stop drawing (bounded)."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self.lock:
+                if self._closed:
+                    self.clear_locked()
+                    return
+                if self._mid_line or self._text is None:
+                    continue
+                try:
+                    width = os.get_terminal_size(self._stream.fileno()).columns or 100
+                except (OSError, ValueError):  # 0 columns: a terminal with no size set
+                    width = 100
+                with contextlib.suppress(OSError, ValueError):
+                    self._stream.write("\r\x1b[K" + self._text[: max(10, width - 1)])
+                    self._stream.flush()
+                    self._shown = True
 
 
-class _Plain:
-    """No status line: lines only."""
+class _Lines:
+    """Whole lines on a stream, through its pass-through thread when it has one
+    (never blocking the loop, in order with guest output), else printed."""
 
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
+        self._through = Passthrough.to(stream)
 
     def say(self, line: str) -> None:
+        if self._through is not None:
+            self._through.write(line.encode() + b"\n")
+            return
         with contextlib.suppress(OSError, ValueError):
             print(line, file=self._stream, flush=True)
+
+    async def drained(self, timeout_s: float) -> None:
+        if self._through is not None:
+            await self._through.drained(timeout_s)
 
 
 class Watch:
@@ -138,7 +173,7 @@ class Watch:
         self._attempts = attempts
         out = stream or sys.stderr
         self._line: StatusLine | None = StatusLine(out) if status else None
-        self._out: StatusLine | _Plain = self._line or _Plain(out)
+        self._out = _Lines(out)
         self._proposals: dict[str, str] = {}
         self._executions: dict[str, str] = {}
         self._started = time.monotonic()
@@ -158,9 +193,9 @@ class Watch:
                 await self._task
             self._task = None
         self._look()  # what happened at the very end (a decision, the exit)
+        await self._out.drained(STATUS_INTERVAL_S * 4)  # before hostcall's summary
         if self._line is not None:
-            with self._line.lock:
-                self._line.clear_locked()
+            await asyncio.to_thread(self._line.close)
             if Passthrough.interposer is self._line:
                 Passthrough.interposer = None
 

@@ -428,22 +428,30 @@ def test_on_a_terminal_a_status_line_shows_the_execution_and_its_calls(
     )  # fmt: skip
     os.close(terminal)
     seen = b""
+
+    def read_for(seconds: float, until: bytes | None = None) -> None:
+        """Keep reading the terminal (a full one would block hostcall's writes)."""
+        nonlocal seen
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(OSError):  # EIO: every writer is gone
+            while time.monotonic() < deadline and (until is None or until not in seen):
+                if select.select([controller], [], [], 0.2)[0]:
+                    if not (chunk := os.read(controller, 65536)):
+                        return
+                    seen += chunk
+                elif until is None and process.poll() is not None:
+                    return
+
     try:
-        deadline = time.monotonic() + STEP_TIMEOUT_S * 2
-        while b"1 approval waiting" not in seen and time.monotonic() < deadline:
-            if select.select([controller], [], [], 0.5)[0]:
-                seen += os.read(controller, 65536)
+        read_for(STEP_TIMEOUT_S * 2, until=b"1 approval waiting")
         [proposal] = AdminClient(state).request("GET", "/v1/approvals?state=waiting")
         AdminClient(state).request("POST", f"/v1/approvals/{proposal['id']}/approve")
+        read_for(STEP_TIMEOUT_S)  # to the end
         process.wait(timeout=STEP_TIMEOUT_S)
-        with contextlib.suppress(OSError):
-            while select.select([controller], [], [], 0.5)[0]:
-                if not (chunk := os.read(controller, 65536)):
-                    break
-                seen += chunk
     finally:
         if process.poll() is None:
             process.kill()
+            process.wait(timeout=STEP_TIMEOUT_S)
         os.close(controller)
     text = seen.decode(errors="replace")
     assert process.returncode == 0
@@ -567,3 +575,38 @@ def test_completion_prints_a_script_for_the_shell() -> None:
     done = hostcall("completion", "bash")
     assert done.returncode == 0
     assert "hostcall" in done.stdout and "complete" in done.stdout
+
+
+def test_the_status_line_never_cuts_a_line_the_guest_has_not_finished(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    """A guest that writes half a line, then the rest a second later (a slow
+    writer; the status line is redrawn about four times a second meanwhile):
+    on the operator's terminal the line stays whole."""
+    controller, terminal = pty.openpty()
+    slow = (
+        "import sys, time; sys.stderr.write('half a '); sys.stderr.flush(); "
+        "time.sleep(1); sys.stderr.write('line\\n')"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "run", "--state-dir", str(tmp_path / "st"),
+         "--plan", str(plan_file), "--", sys.executable, "-c", slow],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=terminal,
+    )  # fmt: skip
+    os.close(terminal)
+    seen = b""
+    try:
+        with contextlib.suppress(OSError):  # EIO once hostcall is gone
+            while select.select([controller], [], [], STEP_TIMEOUT_S)[0]:
+                if not (chunk := os.read(controller, 65536)):
+                    break
+                seen += chunk
+        process.wait(timeout=STEP_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=STEP_TIMEOUT_S)
+        os.close(controller)
+    assert process.returncode == 0
+    assert b"half a line" in seen, seen
+    assert b"\r\x1b[K" in seen  # there was a status line, drawn around it
