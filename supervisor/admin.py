@@ -28,7 +28,7 @@ from channel.peer import peer_credentials, still_alive
 from channel.wire import parse_strict_json
 from supervisor.activity import Activity, notice_json
 from supervisor.approvals import ApprovalController, ProposalNotFound, ProposalNotWaiting
-from supervisor.errors import HostcallError, Refusal
+from supervisor.errors import HostcallError, Refusal, WasmError
 from supervisor.executions import Execution
 from supervisor.gc import collect
 from supervisor.metrics import CONTENT_TYPE, Metrics
@@ -123,6 +123,7 @@ class AdminPort(Protocol):
         invocation_id: str | None = None,
         timeout_s: float | None = None,
         plan: Plan | None = None,
+        wasm: str | None = None,
     ) -> Execution: ...
 
 
@@ -359,10 +360,18 @@ class AdminServer:
 
     async def _launch(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        argv = body.get("argv")
-        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        wasm = body.get("wasm")
+        if wasm is not None and (not isinstance(wasm, str) or not wasm):
+            raise Refusal("bad_request", "wasm must be the path of a WebAssembly module")
+        # A WebAssembly guest's argv is its arguments; a native guest's starts with the program.
+        argv = body.get("argv", [] if wasm is not None else None)
+        if (
+            not isinstance(argv, list)
+            or not (argv or wasm is not None)
+            or not all(isinstance(a, str) for a in argv)
+        ):
             raise Refusal("bad_request", "argv must be a non-empty list of strings")
-        unknown = set(body) - {"argv", "invocation", "timeout_s"}
+        unknown = set(body) - {"argv", "invocation", "timeout_s", "wasm"}
         if unknown:
             raise Refusal("bad_request", f"unknown fields {sorted(unknown)}")
         invocation = body.get("invocation")
@@ -380,9 +389,14 @@ class AdminServer:
         if self._sup.served_plan is None:
             return _error(409, "no_plan", "this supervisor serves no plan (use hostcall serve)")
         try:
-            execution = await self._sup.launch(argv, invocation_id=invocation, timeout_s=timeout_s)
+            execution = await self._sup.launch(
+                argv, invocation_id=invocation, timeout_s=timeout_s, wasm=wasm
+            )
         except OSError as exc:
-            raise Refusal("bad_request", f"cannot start {argv[0]!r}: {exc.strerror}") from None
+            program = wasm if wasm is not None else argv[0]
+            raise Refusal("bad_request", f"cannot start {program!r}: {exc.strerror}") from None
+        except WasmError as exc:
+            raise Refusal("bad_request", str(exc)) from None
         return web.json_response(execution.describe(), status=201)
 
     async def _activity(self, request: web.Request) -> web.Response:

@@ -49,6 +49,13 @@ class UnsafeStateDir(HostcallError):
     code = "unsafe_state_dir"
 
 
+class WasmError(HostcallError):
+    """A module that cannot be run: not WebAssembly, not a WASI command, or
+    importing what hostcall does not give (docs/wasm.md)."""
+
+    code = "wasm_invalid"
+
+
 class InvocationMismatch(HostcallError):
     """An existing invocation was resumed with a different plan."""
 

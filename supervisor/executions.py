@@ -126,6 +126,13 @@ class Execution:
         self.state = ExecutionState.RUNNING
         self.launched.set()
 
+    def started_wasm(self, sandbox: Mapping[str, Any]) -> None:
+        """Its WebAssembly guest runs, in this process: no pid, no socket —
+        its instance is its identity (docs/wasm.md)."""
+        self.sandbox = sandbox
+        self.state = ExecutionState.RUNNING
+        self.launched.set()
+
     def retire(self, outcome: ExecutionOutcome) -> None:
         """It ended and nothing of it runs: keep its identity facts and outcome,
         free the rest (its broker is replaced by one that refuses)."""
@@ -145,7 +152,7 @@ class Execution:
         being stopped is ``stopping``: ``ended``, ``cancelled`` or ``fenced``
         mean that no process of it is alive any more (docs/security.md, S5).
         """
-        stopping = not self.live and self.guest_pid is not None and self.outcome is None
+        stopping = not self.live and self.launched.is_set() and self.outcome is None
         return {
             "execution_id": self.execution_id,
             "invocation_id": self.invocation_id,

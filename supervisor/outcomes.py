@@ -69,7 +69,10 @@ class ExecutionOutcome:
         else:
             ended = f"exited with {self.exit_code}"
         calls = ", ".join(f"{k} {v}" for k, v in sorted(self.calls.items())) or "none"
-        if isinstance(self.sandbox, Mapping):
+        if isinstance(self.sandbox, Mapping) and "runtime" in self.sandbox:
+            sandbox = f"{self.sandbox['runtime']} {self.sandbox.get('version', '')}".rstrip()
+            memory = "peak linear memory"
+        elif isinstance(self.sandbox, Mapping):
             sandbox = (
                 f"sandbox {self.sandbox.get('namespaces')}, limits {self.sandbox.get('limits')}"
             )

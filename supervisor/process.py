@@ -50,7 +50,8 @@ CredentialTransport = Literal["fd", "env"]
 class GuestIdentity:
     """What a guest is told about itself."""
 
-    socket_path: str
+    #: The channel's socket as the guest sees it; None for a WebAssembly guest.
+    socket_path: str | None
     invocation_id: str
     execution_id: str
     plan_hash: str
@@ -61,10 +62,18 @@ class GuestIdentity:
 def guest_environment(base: Mapping[str, str], identity: GuestIdentity) -> dict[str, str]:
     """The guest's environment: ``base`` without any ``HOSTCALL_*``, plus ours."""
     env = {k: v for k, v in base.items() if not k.startswith("HOSTCALL_")}
-    env["HOSTCALL_SOCKET"] = identity.socket_path
-    env["HOSTCALL_INVOCATION"] = identity.invocation_id
-    env["HOSTCALL_EXECUTION"] = identity.execution_id
-    env["HOSTCALL_PLAN"] = identity.plan_hash
+    if identity.socket_path is not None:
+        env["HOSTCALL_SOCKET"] = identity.socket_path
+    return env | identity_environment(identity)
+
+
+def identity_environment(identity: GuestIdentity) -> dict[str, str]:
+    """The ``HOSTCALL_*`` names every guest gets, also one without a socket."""
+    env = {
+        "HOSTCALL_INVOCATION": identity.invocation_id,
+        "HOSTCALL_EXECUTION": identity.execution_id,
+        "HOSTCALL_PLAN": identity.plan_hash,
+    }
     if identity.approval_leases:
         # So the guest client waits as long as a proposal may (guest_client.leases).
         env["HOSTCALL_APPROVAL_LEASES"] = json.dumps(

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Final, cast
+from typing import IO, TYPE_CHECKING, Any, Final, cast
 
 from channel.server import (
     DEFAULT_IDLE_TIMEOUT_S,
@@ -50,6 +50,7 @@ from supervisor.process import (
     CredentialTransport,
     GuestIdentity,
     guest_environment,
+    identity_environment,
     wait_exited,
 )
 from supervisor.protection import protect_process
@@ -60,6 +61,9 @@ from supervisor.statedir import StateDir
 from supervisor.stores import EffectStore, store_from_spec
 from supervisor.terminal import StdinRelay, is_terminal
 from supervisor.tracking import TreeTracker, become_subreaper
+
+if TYPE_CHECKING:
+    from supervisor.wasm import ModuleCache, WasmOutcome
 
 __all__ = ["ExecutionOutcome", "Limits", "RunOutcome", "Supervisor"]
 
@@ -157,6 +161,7 @@ class Supervisor:
         self._executor: ThreadPoolExecutor | None = None
         self._cgroups: CgroupHost | None = None
         self._host_log: HostLog | None = None
+        self._module_cache: ModuleCache | None = None  # made with the first WebAssembly guest
         self.recovered_unknown = 0
 
     # -- lifecycle ------------------------------------------------------------
@@ -312,6 +317,7 @@ class Supervisor:
         stdout: int | IO[Any] | None = None,
         stderr: int | IO[Any] | None = None,
         on_start: Callable[[Execution], Awaitable[None] | None] | None = None,
+        wasm: str | os.PathLike[str] | None = None,
     ) -> RunOutcome:
         """Run a guest for an invocation until it ends; relaunch up to ``attempts``.
 
@@ -324,9 +330,15 @@ class Supervisor:
         to this process's own and keep it under ``<state_dir>/logs/``; anything
         else is handed to the guest as is (and not logged).
 
+        With ``wasm``, the guest is that WebAssembly module (docs/wasm.md) and
+        ``argv`` its arguments: it sees ``[module file name, *argv]``, an
+        environment of ``env`` (else nothing) and the ``HOSTCALL_*`` names,
+        and no socket. ``stdin`` and ``cwd`` do not apply.
+
         Raises:
             InvocationMismatch: the invocation exists with another plan.
-            OSError: the command could not be started.
+            OSError: the command (or module) could not be started.
+            WasmError: the module is not one hostcall can run.
         """
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
@@ -341,8 +353,13 @@ class Supervisor:
         invocation_id = invocation_id or new_id("inv")
         if not is_path_safe_id(invocation_id):
             raise ValueError("invocation ids are 1-128 characters of [A-Za-z0-9._:-], not . or ..")
+        module = Path(wasm) if wasm is not None else None
+        if module is not None:
+            await self._wasm_modules(module)  # refuses a bad module before any invocation exists
         await self._open_invocation(plan, invocation_id)  # refuses a mismatched plan first
-        launch = _Launch(argv, limits or Limits(), env, cwd, stdin, stdout, stderr, on_start)
+        launch = _Launch(
+            argv, limits or Limits(), env, cwd, stdin, stdout, stderr, on_start, module
+        )
         outcomes: list[ExecutionOutcome] = []
         for attempt in range(attempts):
             if attempt:
@@ -418,7 +435,7 @@ class Supervisor:
             plan.plan_hash,
             digest,
             broker,
-            argv=tuple(launch.argv),
+            argv=tuple(launch.argv) if launch.wasm is None else (str(launch.wasm), *launch.argv),
             limits=launch.limits,
             on_end=self._execution_ended,
         )
@@ -436,20 +453,12 @@ class Supervisor:
         launcher = self._launcher
         if launcher is None:
             raise RuntimeError("the supervisor is not running")
+        if launch.wasm is not None:
+            return await self._run_wasm_once(plan, invocation_id, invocation, launch, launch.wasm)
         credential, digest = mint_credential()
         execution = self._new_execution(plan, invocation_id, invocation, digest, launch)
         socket = GUEST_SOCKET if launcher.sandbox is not None else self.socket_path
-        identity = GuestIdentity(
-            str(socket),
-            invocation_id,
-            execution.execution_id,
-            plan.plan_hash,
-            {
-                name: plan.approval_timeout_s
-                for name, tool in plan.tools.items()
-                if plan.needs_approval(tool)
-            },
-        )
+        identity = _identity(plan, execution, str(socket))
         capture_out = launch.stdout is None
         capture_err = launch.stderr is None
         # A sandboxed guest never gets the operator's terminal (see supervisor.terminal).
@@ -486,7 +495,11 @@ class Supervisor:
         if relay_stdin and process.stdin is not None:
             StdinRelay.shared().attach(process.stdin)
         pumps = self._start_pumps(
-            process, execution, invocation, credential, capture_out, capture_err
+            execution,
+            invocation,
+            credential.encode(),
+            process.stdout if capture_out else None,
+            process.stderr if capture_err else None,
         )
         del credential  # the redactors hold it until the guest's output ends
         reason: EndReason = "exited"
@@ -519,14 +532,113 @@ class Supervisor:
             self._invocations.pop(invocation_id, None)
         return outcome
 
+    async def _run_wasm_once(
+        self,
+        plan: Plan,
+        invocation_id: str,
+        invocation: _Invocation,
+        launch: _Launch,
+        module_path: Path,
+    ) -> ExecutionOutcome:
+        """One attempt of a WebAssembly guest: an instance bound to a new
+        execution, its calls through the same broker (docs/wasm.md)."""
+        from supervisor.wasm import WasmGuest, WasmOutcome
+
+        engine, module = await self._wasm_modules(module_path)
+        _, digest = mint_credential()  # nobody holds it: no socket call can be this execution
+        execution = self._new_execution(plan, invocation_id, invocation, digest, launch)
+        env = {
+            k: v for k, v in (launch.env or {}).items() if not k.startswith("HOSTCALL_")
+        } | identity_environment(_identity(plan, execution, None))
+        started = time.monotonic()
+        try:
+            guest = WasmGuest(
+                engine,
+                module,
+                [module_path.name, *launch.argv],
+                env,
+                execution,
+                launch.limits,
+                max_body=self._max_body,
+                workdir=plan.sandbox.workdir,
+            )
+        except BaseException:
+            execution.end()
+            raise
+        execution.started_wasm(guest.sandbox)
+        self.activity.changed(Topic.INVOCATIONS, invocation_id)
+        pumps = self._start_pumps(
+            execution,
+            invocation,
+            b"",
+            guest.stdout.reader if launch.stdout is None else None,
+            guest.stderr.reader if launch.stderr is None else None,
+        )
+        running = asyncio.ensure_future(guest.run())
+        result: WasmOutcome | None = None
+        try:
+            if launch.on_start is not None:
+                maybe = launch.on_start(execution)
+                if maybe is not None:
+                    await maybe
+            reason = await _wait_for_wasm(running, execution, launch.limits.timeout_s)
+            if reason != "exited":
+                guest.stop(reason)
+        finally:
+            execution.end()
+            guest.stop(execution.stop_reason or "cancelled")  # a no-op once it ended
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._stop_grace_s + STOPPED_SLACK_S):
+                    result = await asyncio.shield(running)
+            if pumps:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._stop_grace_s):
+                        await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
+        if result is None:
+            logger.error("WebAssembly guest of %s did not stop in time", execution.execution_id)
+            result = WasmOutcome(None, "cancelled", 0.0, 0, "did not stop")
+        if result.trap is not None:
+            logger.warning(
+                "the WebAssembly guest trapped: %s",
+                result.trap,
+                extra=about(invocation_id, execution.execution_id, self.state.logs_dir),
+            )
+        reason = result.reason
+        if reason in ("exited", "signalled") and execution.state is ExecutionState.FENCED:
+            reason = "fenced"
+        outcome = ExecutionOutcome(
+            execution_id=execution.execution_id,
+            exit_code=result.exit_code,
+            signal=None,
+            reason=reason,
+            duration_s=time.monotonic() - started,
+            cpu_s=result.cpu_s,
+            peak_rss_bytes=result.peak_memory_bytes or None,
+            peak_processes=0,
+            calls=dict(execution.calls()),
+            sandbox=guest.sandbox,
+        )
+        self._executions.retire(execution, outcome)
+        self.activity.changed(Topic.INVOCATIONS, invocation_id)
+        if not any(e.live for e in self._executions.of_invocation(invocation_id)):
+            self._invocations.pop(invocation_id, None)
+        return outcome
+
+    async def _wasm_modules(self, path: Path) -> tuple[Any, Any]:
+        """A fresh engine and ``path``'s compiled module (compiled once per content)."""
+        if self._module_cache is None:
+            from supervisor.wasm import ModuleCache  # wasmtime takes 50 ms to import
+
+            self._module_cache = ModuleCache()
+        return await asyncio.to_thread(self._module_cache.load, path)
+
     def _start_pumps(
         self,
-        process: GuestProcess,
         execution: Execution,
         invocation: _Invocation,
-        credential: str,
-        capture_out: bool,
-        capture_err: bool,
+        secret: bytes,
+        stdout: asyncio.StreamReader | None,
+        stderr: asyncio.StreamReader | None,
     ) -> list[asyncio.Task[None]]:
         folder = self.state.logs_dir / execution.invocation_id
         invocation_id = execution.invocation_id
@@ -538,11 +650,8 @@ class Supervisor:
         # Both streams share the execution's budget; all executions, the invocation's.
         budgets = (OutputBudget.for_execution(self._execution_output_limit), invocation.output)
         pumps = []
-        for name, capture, reader, ours in (
-            ("stdout", capture_out, process.stdout, sys.stdout),
-            ("stderr", capture_err, process.stderr, sys.stderr),
-        ):
-            if not capture or reader is None:
+        for name, reader, ours in (("stdout", stdout, sys.stdout), ("stderr", stderr, sys.stderr)):
+            if reader is None:
                 continue
             pumps.append(
                 asyncio.create_task(
@@ -550,7 +659,7 @@ class Supervisor:
                         reader,
                         log=GuestLog(folder / f"{execution.execution_id}.{name}.log"),
                         passthrough=Passthrough.to(ours),
-                        redactor=Redactor(credential.encode()),
+                        redactor=Redactor(secret),
                         budgets=budgets,
                         on_output=wrote,
                     )
@@ -619,6 +728,7 @@ class Supervisor:
         invocation_id: str | None = None,
         timeout_s: float | None = None,
         plan: Plan | None = None,
+        wasm: str | os.PathLike[str] | None = None,
     ) -> Execution:
         """Start a guest in the background (``POST /v1/invocations``); returns once
         it runs, under :attr:`launch_limits` (``timeout_s`` overrides their
@@ -641,6 +751,7 @@ class Supervisor:
                 limits=self.launch_limits,
                 stdin=asyncio.subprocess.DEVNULL,
                 on_start=started.set_result,
+                wasm=wasm,
             )
         )
         self._launched.add(task)
@@ -654,6 +765,43 @@ class Supervisor:
             task.result()  # raises why it did not start
             raise RuntimeError("the guest ended before it started")
         return started.result()
+
+
+def _identity(plan: Plan, execution: Execution, socket: str | None) -> GuestIdentity:
+    """What a guest is told about itself (``socket`` None: it has none)."""
+    return GuestIdentity(
+        socket,
+        execution.invocation_id,
+        execution.execution_id,
+        plan.plan_hash,
+        {
+            name: plan.approval_timeout_s
+            for name, tool in plan.tools.items()
+            if plan.needs_approval(tool)
+        },
+    )
+
+
+async def _wait_for_wasm(
+    running: asyncio.Future[WasmOutcome], execution: Execution, timeout_s: float | None
+) -> EndReason:
+    """:func:`_wait_for_guest` for a WebAssembly guest: it ends by itself
+    (``exited``), or must be stopped for a cancel, a limit, a fence or the timeout."""
+    stopped = asyncio.ensure_future(execution.ended.wait())
+    waiting: set[asyncio.Future[Any]] = {running, stopped}
+    try:
+        done, _ = await asyncio.wait(
+            waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        stopped.cancel()
+    if running in done:
+        return "exited"
+    if not done:
+        return "timeout"
+    if execution.state is ExecutionState.FENCED:
+        return "fenced"
+    return execution.stop_reason or "cancelled"
 
 
 async def _wait_for_guest(
@@ -699,6 +847,8 @@ class _Launch:
     stdout: int | IO[Any] | None
     stderr: int | IO[Any] | None
     on_start: Callable[[Execution], Awaitable[None] | None] | None
+    #: The WebAssembly module to run instead of ``argv[0]``, if any.
+    wasm: Path | None = None
 
 
 def _log_failure(task: asyncio.Task[RunOutcome]) -> None:

@@ -366,9 +366,12 @@ def launch(args: argparse.Namespace) -> int:
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    if not argv:
+    if not argv and args.wasm is None:
         raise _Unusable("give the guest's command after --: hostcall launch -- CMD [ARG…]")
     body: dict[str, Any] = {"argv": argv}
+    if args.wasm is not None:
+        # The supervisor opens it: a path relative to here would not be its.
+        body["wasm"] = str(Path(args.wasm).absolute())
     if args.invocation:
         body["invocation"] = args.invocation
     if args.timeout:

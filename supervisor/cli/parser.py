@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="the outcome as JSON: the last line of stderr, or FILE ('-': stdout)",
     )
+    run.add_argument(
+        "--wasm", metavar="MODULE", help="run this WebAssembly (WASI) module; ARGs after --"
+    )
     run.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD [ARG…]")
 
     serve = command("serve", "a long-running supervisor: launch guests through the admin API")
@@ -175,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch = command("launch", "launch a guest on the running `hostcall serve`")
     launch.add_argument("--invocation", type=_id, help="invocation id; an existing one is resumed")
     launch.add_argument("--timeout", type=_positive, metavar="S", help="stop the guest after S s")
+    launch.add_argument(
+        "--wasm", metavar="MODULE", help="run this WebAssembly (WASI) module; ARGs after --"
+    )
     launch.add_argument("argv", nargs=argparse.REMAINDER, help="-- CMD [ARG…]")
 
     console = command("console", "serve the operator console of the running supervisor")

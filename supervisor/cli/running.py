@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    if not argv:
+    if not argv and args.wasm is None:
         raise UsageError("give the guest's command after --: hostcall run --plan P -- CMD [ARG…]")
     state_dir, limits, plan = _serving(args)
     invocation_id = args.invocation or new_id("inv")
@@ -145,6 +145,8 @@ def _resume_hint(args: argparse.Namespace, argv: list[str], state_dir: Path, inv
     words = [hostcall_command(), "run", "--plan", args.plan, "--invocation", inv]
     if args.store:
         words += ["--store", args.store]
+    if args.wasm is not None:
+        words += ["--wasm", args.wasm]
     return shlex.join(words) + state_dir_flag(state_dir) + " -- " + shlex.join(argv)
 
 
@@ -162,7 +164,11 @@ async def _run(
             _operator_sites(sup, args),
         ):
             resumed = await sup.store.get_invocation(invocation_id) is not None
-            sandbox = "sandbox on" if sup.sandboxed else "sandbox off"
+            if args.wasm is not None:
+                sandbox = "WebAssembly guest"
+            else:
+                sandbox = "sandbox on" if sup.sandboxed else "sandbox off"
+            program = args.wasm if args.wasm is not None else argv[0]
             announced: list[str] = []
 
             def announce(execution: Execution) -> None:
@@ -194,12 +200,13 @@ async def _run(
                     limits=limits,
                     attempts=args.attempts,
                     on_start=announce,
+                    wasm=args.wasm,
                 )
             except FileNotFoundError as exc:
-                watch.say(f"hostcall run: cannot start {argv[0]!r}: {exc.strerror}")
+                watch.say(f"hostcall run: cannot start {program!r}: {exc.strerror}")
                 return EXIT_NOT_FOUND
             except PermissionError as exc:
-                watch.say(f"hostcall run: cannot start {argv[0]!r}: {exc.strerror}")
+                watch.say(f"hostcall run: cannot start {program!r}: {exc.strerror}")
                 return EXIT_NOT_EXECUTABLE
             finally:
                 await watch.close()

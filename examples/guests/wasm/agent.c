@@ -15,8 +15,12 @@
  *                    and prints "<http status> <reply body>" per step
  *   bench TOOL SECONDS  calls TOOL ({"n": i}) for SECONDS, one at a time,
  *                    and prints {"calls": N, "p50_us": .., "p99_us": ..}
+ *   calls FILE OUT   makes the calls of FILE, one "CALL_ID TOOL ARGS_JSON" per line,
+ *                    appending "<http status> <reply body>" per call to OUT
+ *   env              prints its argv and environment, one per line
+ *   write PATH TEXT  writes TEXT to PATH (a preopened folder's), exits 5 if it cannot
  *   spin             burns CPU until stopped
- *   grow MIB         allocates MIB MiB, touching every page, then exits 0
+ *   grow MIB         allocates MIB MiB a MiB at a time, touching every page
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -143,24 +147,69 @@ static int bench(const char *tool, double seconds) {
     return 0;
 }
 
+/* The fault harness's guest (scripts/faults --guest wasm). */
+static int calls(const char *path, const char *out_path) {
+    FILE *in = fopen(path, "r");
+    FILE *out = fopen(out_path, "a");
+    if (in == NULL || out == NULL) {
+        fprintf(stderr, "agent: cannot open %s or %s\n", path, out_path);
+        return 5;
+    }
+    static char line[65536];
+    while (fgets(line, sizeof line, in) != NULL) {
+        line[strcspn(line, "\n")] = '\0';
+        char *tool = strchr(line, ' ');
+        if (tool == NULL) continue;
+        *tool++ = '\0';
+        char *args = strchr(tool, ' ');
+        if (args == NULL) continue;
+        *args++ = '\0';
+        const char *reply;
+        int32_t status = call(line, tool, args, &reply);
+        fprintf(out, "%d %s\n", status, reply);
+        fflush(out); /* what it was told is on disk before the next call */
+    }
+    fclose(out);
+    return 0;
+}
+
+extern char **environ;
+
 int main(int argc, char **argv) {
     buffer = malloc((size_t)capacity + 1);
     if (argc >= 2 && strcmp(argv[1], "steps") == 0) return steps(argc - 2, argv + 2);
     if (argc == 4 && strcmp(argv[1], "bench") == 0) return bench(argv[2], atof(argv[3]));
+    if (argc == 4 && strcmp(argv[1], "calls") == 0) return calls(argv[2], argv[3]);
+    if (argc == 2 && strcmp(argv[1], "env") == 0) {
+        for (int i = 0; i < argc; i++) printf("argv %s\n", argv[i]);
+        for (char **name = environ; *name != NULL; name++) printf("env %s\n", *name);
+        return 0;
+    }
+    if (argc == 4 && strcmp(argv[1], "write") == 0) {
+        FILE *file = fopen(argv[2], "w");
+        if (file == NULL || fputs(argv[3], file) < 0 || fclose(file) != 0) {
+            perror("agent: write");
+            return 5;
+        }
+        return 0;
+    }
     if (argc == 2 && strcmp(argv[1], "spin") == 0) {
         volatile uint64_t n = 0;
         for (;;) n++;
     }
     if (argc == 3 && strcmp(argv[1], "grow") == 0) {
-        size_t bytes = (size_t)atoi(argv[2]) << 20;
-        char *block = malloc(bytes);
-        if (block == NULL) {
-            fprintf(stderr, "agent: out of memory\n");
-            return 4;
+        /* A MiB at a time, as a program that keeps allocating does. */
+        for (int mib = 0; mib < atoi(argv[2]); mib++) {
+            volatile char *block = malloc(1 << 20);
+            if (block == NULL) {
+                fprintf(stderr, "agent: out of memory after %d MiB\n", mib);
+                return 4;
+            }
+            for (size_t i = 0; i < (1 << 20); i += 4096) block[i] = 1;
         }
-        for (size_t i = 0; i < bytes; i += 4096) block[i] = 1;
         return 0;
     }
-    fprintf(stderr, "usage: agent.wasm steps STEP... | bench TOOL SECONDS | spin | grow MIB\n");
+    fprintf(stderr, "usage: agent.wasm steps STEP... | bench TOOL SECONDS | calls FILE OUT | env"
+                    " | write PATH TEXT | spin | grow MIB\n");
     return 2;
 }
