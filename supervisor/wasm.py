@@ -384,6 +384,7 @@ class WasmGuest:
     def _import_call(
         self, caller: wasmtime.Caller, request: int, size: int, out: int, cap: int, length: int
     ) -> int:
+        _check_reply_room(caller, out, cap, length)  # before anything runs
         size &= _U32
         if size > self._max_body:
             job = import_oversized(self._execution, self._max_body)
@@ -401,11 +402,13 @@ class WasmGuest:
         cap: int,
         length: int,
     ) -> int:
+        _check_reply_room(caller, out, cap, length)
         raw = _read(caller, call_id, min(size & _U32, 1024))
         job = import_status(self._execution, raw.decode("utf-8", "replace"), wait_ms)
         return self._answer(caller, self._await(job), out, cap, length)
 
     def _import_plan(self, caller: wasmtime.Caller, out: int, cap: int, length: int) -> int:
+        _check_reply_room(caller, out, cap, length)
         return self._answer(caller, self._await(import_plan(self._execution)), out, cap, length)
 
     def _import_reply(self, caller: wasmtime.Caller, out: int, cap: int) -> int:
@@ -424,6 +427,20 @@ def _memory(caller: wasmtime.Caller) -> wasmtime.Memory:
     if not isinstance(memory, wasmtime.Memory):
         raise _GuestFault("the module exports no memory named 'memory' for the hostcall imports")
     return memory
+
+
+def _check_reply_room(caller: wasmtime.Caller, out: int, cap: int, length: int) -> None:
+    """The reply buffer and the length word must lie in the guest's memory
+    before a call runs: a guest cannot make a call whose answer it cannot take.
+    (Memory never shrinks, and the guest is blocked until the answer: they
+    stay valid.)"""
+    size = _memory(caller).data_len(caller)
+    for start, count, what in (
+        (out & _U32, cap & _U32, "reply buffer"),
+        (length & _U32, 4, "reply length"),
+    ):
+        if start + count > size:
+            raise _GuestFault(f"the {what} at {start} (+{count}) is outside the guest's memory")
 
 
 def _read(caller: wasmtime.Caller, pointer: int, size: int) -> bytes:

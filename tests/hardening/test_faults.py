@@ -86,6 +86,24 @@ def test_trials_with_real_python_m_supervisor_cli_processes_hold_too(workdir: Pa
     assert all(figures["trials"] == 2 for figures in report["by_point"].values())
 
 
+def test_webassembly_guests_killed_with_their_supervisor_at_every_point_hold_too(
+    workdir: Path,
+) -> None:
+    """The guest is a module inside the supervisor (--guest wasm): kill -9 ends
+    both; the resumed invocation's new instance replays every call."""
+    done, report = run_harness(
+        workdir, "--trials", "25", "--jobs", "2", "--spawn", "fork", "--guest", "wasm",
+        "--seed", "17",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert report["guest"] == "wasm"
+    assert (report["trials"], report["duplicates"], report["lost_commits"]) == (25, 0, 0)
+    assert report["failed_trials"] == report["harness_errors"] == 0
+    assert report["leftover_processes"] == 0
+    assert all(figures["trials"] == 5 for figures in report["by_point"].values())
+    assert report["in_doubt_answered_unknown"] > 0
+
+
 def test_the_harness_refuses_the_memory_store_which_keeps_nothing_across_a_restart(
     workdir: Path,
 ) -> None:

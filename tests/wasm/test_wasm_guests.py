@@ -333,6 +333,17 @@ WAT_BAD_POINTER = """
     ;; reply_len far outside its one page of memory
     (drop (call $plan (i32.const 0) (i32.const 16) (i32.const 0x7ffffff0)))))
 """
+CHARGE = '{"call_id":"x","tool":"charge","args":{"account":"acct_a","cents":1}}'
+WAT_CALL_WITHOUT_ROOM = """
+(module
+  (import "hostcall" "call" (func $call (param i32 i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 0) "{data}")
+  (func (export "_start")
+    ;; a good request, but a reply buffer that runs off the end of memory
+    (drop (call $call (i32.const 0) (i32.const {size})
+      (i32.const 65000) (i32.const 4096) (i32.const 128)))))
+""".format(data=CHARGE.replace('"', '\\"'), size=len(CHARGE))
 WAT_HUGE_REQUEST = """
 (module
   (import "hostcall" "call" (func $call (param i32 i32 i32 i32 i32) (result i32)))
@@ -352,15 +363,22 @@ WAT_UNKNOWN_HOSTCALL = '(module (import "hostcall" "exec" (func)) (func (export 
 async def test_a_guest_handing_the_imports_bad_memory_traps_alone(tmp_path: Path) -> None:
     (tmp_path / "bad.wat").write_text(WAT_BAD_POINTER)
     (tmp_path / "huge.wat").write_text(WAT_HUGE_REQUEST)
+    (tmp_path / "room.wat").write_text(WAT_CALL_WITHOUT_ROOM)
+    ledger = Ledger()
     async with Supervisor(tmp_path / "state") as sup:
         bad = await sup.run(scenario_plan(Ledger()), [], wasm=tmp_path / "bad.wat")
+        roomless = await sup.run(scenario_plan(ledger), [], wasm=tmp_path / "room.wat")
+        roomless_calls = await sup.store.calls(roomless.invocation_id)
         huge = await sup.run(scenario_plan(Ledger()), [], wasm=tmp_path / "huge.wat")
         host_log = sup.state.logs_dir / bad.invocation_id / f"{bad.execution_id}.host.log"
         trapped = host_log.read_text()
         # The supervisor serves on.
         again = await sup.run(scenario_plan(Ledger()), ["steps", "plan"], wasm=huge_agent(tmp_path))
     assert bad.last.reason == "signalled" and bad.exit_status == 1
-    assert "outside its memory" in trapped
+    assert "outside the guest's memory" in trapped
+    # A call whose answer could not be taken never ran: checked before admission.
+    assert roomless.last.reason == "signalled"
+    assert ledger.runs["charge"] == 0 and roomless_calls == []
     assert huge.exit_status == 0  # the guest saw 413: payload_too_large
     assert again.exit_status == 0
 
