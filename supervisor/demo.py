@@ -76,7 +76,9 @@ def example_dir() -> Path:
     return folder
 
 
-async def run_demo(state_dir: str | os.PathLike[str] | None, *, auto_approve: bool = True) -> int:
+async def run_demo(
+    state_dir: str | os.PathLike[str] | None, *, auto_approve: bool = True, wasm: bool = False
+) -> int:
     """Run the billing example and print what happened; returns the agent's exit status.
 
     Returns ``EXIT_NO_EXAMPLE`` (after saying why on stderr) when the example
@@ -90,6 +92,9 @@ async def run_demo(state_dir: str | os.PathLike[str] | None, *, auto_approve: bo
             demo runs unattended). Otherwise the demo prints how to decide it
             from a second terminal and waits, at most for the plan's
             ``approval_timeout_s``, after which it expires.
+        wasm: Run the agent as a WebAssembly guest: ``examples/billing/agent.c``,
+            built with the ziglang wheel (docs/wasm.md), the same five steps
+            through the ``hostcall`` imports.
     """
     try:
         folder = example_dir()
@@ -105,7 +110,19 @@ async def run_demo(state_dir: str | os.PathLike[str] | None, *, auto_approve: bo
     guest_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (repo_root, os.environ.get("PYTHONPATH")) if p
     )
+    module = None
+    if wasm:
+        from supervisor.errors import WasmError
+        from supervisor.zigcc import build_wasm
+
+        try:
+            module = await asyncio.to_thread(build_wasm, folder / "agent.c", absolute / "wasm")
+        except WasmError as exc:
+            print(f"hostcall demo: {exc}", file=sys.stderr)
+            return EXIT_NO_EXAMPLE
     print("hostcall demo: a billing agent calls host tools through one audited door")
+    if module is not None:
+        print(f"agent: {folder / 'agent.c'} as a WebAssembly guest ({module.name})")
     print(f"state dir: {path} (effects.db, receipts/, bank.db)")
     print(f"plan: {folder / 'plan.toml'} ({plan.plan_hash[:19]}…)")
     if not auto_approve:
@@ -118,9 +135,10 @@ async def run_demo(state_dir: str | os.PathLike[str] | None, *, auto_approve: bo
         with _environ(BANK_ENV, str(bank)):
             outcome = await sup.run(
                 plan,
-                [sys.executable, str(folder / "agent.py")],
-                env=guest_env,
+                [sys.executable, str(folder / "agent.py")] if module is None else [],
+                env=guest_env if module is None else None,
                 timeout_s=GUEST_TIMEOUT_S + plan.approval_timeout_s,
+                wasm=module,
             )
         records = await sup.store.calls(outcome.invocation_id)
         proposals = [p for p in sup.approvals.list() if p.invocation_id == outcome.invocation_id]

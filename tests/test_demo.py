@@ -387,3 +387,38 @@ async def test_run_demo_explains_a_missing_example_on_stderr_and_exits_non_zero(
     assert await run_demo(str(tmp_path / "st")) == EXIT_NO_EXAMPLE
     assert "needs a source checkout" in capsys.readouterr().err
     assert not (tmp_path / "st").exists()
+
+
+def test_the_demo_with_a_webassembly_agent_has_the_same_effects_in_the_bank(
+    tmp_path: Path,
+) -> None:
+    """``hostcall demo --wasm``: the agent is examples/billing/agent.c, built
+    to WASI with the ziglang wheel; the five steps go through its imports."""
+    state_dir = tmp_path / "st"
+    completed = subprocess.run(
+        [*_CLI, "demo", "--wasm", "--state-dir", str(state_dir)],
+        cwd=tmp_path,
+        env=without_hostcall_env(),
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_S * 5,  # the first build of zig's WASI libc takes ~30 s
+        check=False,
+    )
+    output = completed.stdout
+    assert completed.returncode == 0, output + completed.stderr
+    assert "as a WebAssembly guest" in output
+    assert "agent: a WebAssembly guest of invocation" in output
+    assert [row[:3] for row in _rows(output, "charge-1002")] == [
+        ["charge-1002", "charge", "executed"],
+        ["charge-1002", "charge", "replayed"],
+        ["charge-1002", "charge", "committed"],
+    ]
+    assert output.count("-> ambiguous (unknown), idempotency_key") == 2
+    assert "-> approved and executed: rf_1, acct_bob balance is now 2000 cents" in output
+    bank = state_dir / "bank.db"
+    with contextlib.closing(sqlite3.connect(bank)) as db:
+        charges = dict(db.execute("SELECT memo, count(*) FROM charges GROUP BY memo").fetchall())
+        outbox = db.execute("SELECT count(*) FROM outbox").fetchone()[0]
+    assert charges == {memo: 1 for memo in CHARGE_MEMOS.values()}
+    assert outbox == 1
+    assert _refunds(bank) == [REFUND]

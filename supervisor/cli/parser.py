@@ -204,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     deciding.add_argument(
         "--auto-approve", action="store_true", help="approve the demo's proposal (the default)"
     )
+    demo.add_argument(
+        "--wasm",
+        action="store_true",
+        help="run the agent as a WebAssembly guest (examples/billing/agent.c; needs ziglang)",
+    )
 
     invocations = command("invocations", "the invocations of the store, newest first")
     invocations.add_argument("--json", action="store_true", help="a JSON array")

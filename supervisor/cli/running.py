@@ -316,4 +316,6 @@ def demo(args: argparse.Namespace) -> int:
     """``hostcall demo``."""
     from supervisor.demo import run_demo
 
-    return run_main(run_demo(state_dir_of(args), auto_approve=not args.manual_approval))
+    return run_main(
+        run_demo(state_dir_of(args), auto_approve=not args.manual_approval, wasm=args.wasm)
+    )
