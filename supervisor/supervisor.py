@@ -16,6 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, Final, cast
 
+from channel.imports import Imports
 from channel.server import (
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_BODY,
@@ -162,6 +163,8 @@ class Supervisor:
         self._cgroups: CgroupHost | None = None
         self._host_log: HostLog | None = None
         self._module_cache: ModuleCache | None = None  # made with the first WebAssembly guest
+        #: Where WebAssembly guests' calls come in (their socket, so to speak).
+        self._imports = Imports(max_body)
         self.recovered_unknown = 0
 
     # -- lifecycle ------------------------------------------------------------
@@ -230,8 +233,8 @@ class Supervisor:
                 idle_timeout_s=self._idle_timeout_s,
             )
             await self._channel.start()
-            channel = self._channel
-            self._store.set_load_hint(lambda: channel.active_requests)
+            channel, imports = self._channel, self._imports
+            self._store.set_load_hint(lambda: channel.active_requests + imports.active)
             cgroups = None
             if sandbox_host is not None:
                 cgroups = await asyncio.to_thread(CgroupHost.detect)
@@ -559,7 +562,7 @@ class Supervisor:
                 env,
                 execution,
                 launch.limits,
-                max_body=self._max_body,
+                imports=self._imports,
                 workdir=plan.sandbox.workdir,
             )
         except BaseException:

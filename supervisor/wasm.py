@@ -34,7 +34,7 @@ from typing import Any, Final
 
 import wasmtime
 
-from channel.imports import import_call, import_oversized, import_plan, import_status
+from channel.imports import Imports
 from channel.routing import ExecutionPort
 from supervisor.errors import WasmError
 from supervisor.limits import EndReason, Limits
@@ -194,7 +194,7 @@ class WasmGuest:
         execution: What its imports reach: the execution's broker, its liveness.
         limits: ``memory_bytes`` caps its linear memory, ``cpu_s`` its CPU
             time; the caller enforces ``timeout_s`` (it calls :meth:`stop`).
-        max_body: The largest ``call`` request, as on the socket.
+        imports: What the imports call (the supervisor's one :class:`Imports`).
         workdir: A host folder preopened as the guest's ``.``, or None.
     """
 
@@ -207,13 +207,13 @@ class WasmGuest:
         execution: ExecutionPort,
         limits: Limits,
         *,
-        max_body: int,
+        imports: Imports,
         workdir: Path | None = None,
     ) -> None:
         self._engine = engine
         self._module = module
         self._execution = execution
-        self._max_body = max_body
+        self._imports = imports
         self._cpu_s = limits.cpu_s
         self.memory_limit = limits.memory_bytes or DEFAULT_MEMORY_BYTES
         self._stop_reason: EndReason | None = None
@@ -386,11 +386,12 @@ class WasmGuest:
     ) -> int:
         _check_reply_room(caller, out, cap, length)  # before anything runs
         size &= _U32
-        if size > self._max_body:
-            job = import_oversized(self._execution, self._max_body)
+        if size > self._imports.max_body:
+            answer = self._imports.oversized(self._execution)  # unread
         else:
-            job = import_call(self._execution, _read(caller, request, size), self._max_body)
-        return self._answer(caller, self._await(job), out, cap, length)
+            request_bytes = _read(caller, request, size)
+            answer = self._await(self._imports.call(self._execution, request_bytes))
+        return self._answer(caller, answer, out, cap, length)
 
     def _import_status(
         self,
@@ -404,12 +405,13 @@ class WasmGuest:
     ) -> int:
         _check_reply_room(caller, out, cap, length)
         raw = _read(caller, call_id, min(size & _U32, 1024))
-        job = import_status(self._execution, raw.decode("utf-8", "replace"), wait_ms)
+        job = self._imports.status(self._execution, raw.decode("utf-8", "replace"), wait_ms)
         return self._answer(caller, self._await(job), out, cap, length)
 
     def _import_plan(self, caller: wasmtime.Caller, out: int, cap: int, length: int) -> int:
         _check_reply_room(caller, out, cap, length)
-        return self._answer(caller, self._await(import_plan(self._execution)), out, cap, length)
+        answer = self._await(self._imports.plan(self._execution))
+        return self._answer(caller, answer, out, cap, length)
 
     def _import_reply(self, caller: wasmtime.Caller, out: int, cap: int) -> int:
         if len(self._reply) > cap & _U32:

@@ -72,7 +72,9 @@ CHILD_SLACK_S: Final = 120.0
 SERVER_START_S: Final = 30.0
 SERVER_STOP_S: Final = 10.0
 #: ``nosandbox``: every measurement of guests without their sandbox (the pairs too).
-PARTS: Final = ("echo", "hostcall", "nosandbox", "mcp", "launch", "many", "import")
+PARTS: Final = ("echo", "hostcall", "nosandbox", "mcp", "launch", "many", "import", "wasm")
+#: The WebAssembly guest of the ``wasm`` part (its ``bench`` mode), built with ziglang.
+AGENT_C: Final = ROOT / "examples" / "guests" / "wasm" / "agent.c"
 STORES: Final = ("memory", "sqlite")
 
 
@@ -197,10 +199,16 @@ def _points(result: dict[str, Any], tool: str) -> list[dict[str, Any]]:
 
 
 def hostcall_run_argv(
-    state_dir: Path, store: str, guest: list[str], *, sandbox: bool = True
+    state_dir: Path,
+    store: str,
+    guest: list[str],
+    *,
+    sandbox: bool = True,
+    wasm: Path | None = None,
 ) -> list[str]:
     """``python -m supervisor.cli run`` (arguments after the interpreter) under
-    the benchmark plan, with ``guest`` as its guest."""
+    the benchmark plan, with ``guest`` as its guest (``wasm``: the module, and
+    ``guest`` its arguments)."""
     return [
         "-m",
         "supervisor.cli",
@@ -212,6 +220,7 @@ def hostcall_run_argv(
         "--plan",
         str(PLAN),
         *([] if sandbox else ["--no-sandbox"]),
+        *([] if wasm is None else ["--wasm", str(wasm)]),
         "--",
         *guest,
     ]
@@ -419,6 +428,52 @@ def bench_many(work: Path, settings: Settings, sandbox: bool = True) -> dict[str
     )
 
 
+def bench_wasm(work: Path, settings: Settings) -> dict[str, Any]:
+    """A WebAssembly guest's calls against a native guest's, one at a time, on
+    each store, alternating for ``settings.rounds`` rounds (each side's best kept).
+
+    The WebAssembly guest is C (``agent.c bench``) calling through its imports;
+    the native one is the load generator (Python, keep-alive HTTP/1.1 over the
+    socket, sandboxed), at 1 in flight: a module has one thread.
+    """
+    from supervisor.zigcc import build_wasm
+
+    module = build_wasm(AGENT_C, work / "wasm")
+    found: dict[str, Any] = {"status": "ok", "guest": "examples/guests/wasm/agent.c"}
+    budget = settings.warmup_s + settings.duration_s + CHILD_SLACK_S
+    for store in STORES:
+        native_runs, wasm_runs = [], []
+        for number in range(settings.rounds):
+            state = work / f"state-wasm-{store}-{number}"
+            native = _child_json(
+                f"native guest, {store}",
+                hostcall_run_argv(
+                    state,
+                    store,
+                    [sys.executable, str(LOADGEN), *_load_args(settings, "noop", (1,))],
+                ),
+                budget,
+            )
+            native_runs.append(_points(native, "noop")[0])
+            guest = ["bench", "noop", str(settings.duration_s), str(settings.warmup_s)]
+            measured = _child_json(
+                f"WebAssembly guest, {store}",
+                hostcall_run_argv(state, store, guest, wasm=module),
+                budget,
+            )
+            measured["calls_per_s"] = round(measured["calls"] / measured["seconds"], 1)
+            wasm_runs.append(measured)
+        best_native = max(native_runs, key=lambda point: point["calls_per_s"])
+        best_wasm = max(wasm_runs, key=lambda point: point["calls_per_s"])
+        found[store] = {
+            "native": {k: best_native[k] for k in ("calls_per_s", "p50_us", "p99_us")},
+            "wasm": {k: best_wasm[k] for k in ("calls_per_s", "p50_us", "p99_us")},
+            "calls_per_s_ratio": round(best_wasm["calls_per_s"] / best_native["calls_per_s"], 3),
+            "p50_ratio": round(best_wasm["p50_us"] / best_native["p50_us"], 3),
+        }
+    return found
+
+
 def best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Per target and point, the round with the most calls/s (its latencies with it).
 
@@ -527,6 +582,10 @@ def run(settings: Settings, work: Path, skip: set[str]) -> tuple[dict[str, Any],
         results["cli_start"] = attempt(
             "hostcall CLI start", system.cli_start, settings.import_samples, work
         )
+    if "wasm" not in skip:
+        results["wasm"] = attempt(
+            "a WebAssembly guest against a native one", bench_wasm, work, settings
+        )
     results["thread_hop"] = attempt("thread hop", system.thread_hop, settings.hop_samples)
     for target, entry in targets.items():
         for found in entry.get("points", []):
@@ -598,6 +657,17 @@ def summary(results: dict[str, Any]) -> str:
                 else ""
             )
         )
+    wasm = results.get("wasm") or {}
+    if wasm.get("status") == "ok":
+        for store in STORES:
+            pair = wasm[store]
+            lines.append(
+                f"WebAssembly guest (C, imports) vs native guest (Python, socket), 1 in "
+                f"flight, {store}: {pair['wasm']['calls_per_s']} vs "
+                f"{pair['native']['calls_per_s']} calls/s (× {pair['calls_per_s_ratio']}), "
+                f"p50 {pair['wasm']['p50_us']} vs {pair['native']['p50_us']} µs "
+                f"(× {pair['p50_ratio']})"
+            )
     hop = results.get("thread_hop") or {}
     if hop.get("status") != "failed" and hop:
         lines.append(

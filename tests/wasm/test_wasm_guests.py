@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from channel.imports import import_call, import_plan, import_status
+from channel.imports import Imports
 from supervisor import Plan, Supervisor, tool
 from supervisor.admin_client import AdminError, AsyncAdminClient
 from supervisor.errors import WasmError
@@ -307,12 +307,14 @@ async def test_a_fenced_wasm_guest_stops_and_its_dispatched_call_still_commits_o
         old = sup.execution(fenced.execution_id)
         assert old is not None and not old.live
         # Its instance's imports now refuse, whatever it asks.
-        for job in (
-            import_call(old, b'{"call_id":"x","tool":"echo","args":{"n":1}}', 1024),
-            import_status(old, "s1", 0),
-            import_plan(old),
+        imports = Imports(1024)
+        for answer in (
+            await imports.call(old, b'{"call_id":"x","tool":"echo","args":{"n":1}}'),
+            await imports.status(old, "s1", 0),
+            await imports.plan(old),
+            imports.oversized(old),
         ):
-            status, body = await job
+            status, body = answer
             assert status == 403
             assert json.loads(body)["error"]["code"] == "execution_fenced"
         ledger.release.set()

@@ -13,8 +13,9 @@
  *                      status:CALL_ID[:WAIT_MS]      GET /v1/calls/{id}[?wait=]
  *                      plan                          GET /v1/plan
  *                    and prints "<http status> <reply body>" per step
- *   bench TOOL SECONDS  calls TOOL ({"n": i}) for SECONDS, one at a time,
- *                    and prints {"calls": N, "p50_us": .., "p99_us": ..}
+ *   bench TOOL SECONDS [WARMUP]  calls TOOL ({"n": i}) one at a time for WARMUP
+ *                    seconds (default 0), then for SECONDS, measured, and prints
+ *                    {"calls": N, "seconds": .., "p50_us": .., "p99_us": ..}
  *   calls FILE OUT   makes the calls of FILE, one "CALL_ID TOOL ARGS_JSON" per line,
  *                    appending "<http status> <reply body>" per call to OUT
  *   env              prints its argv and environment, one per line
@@ -121,20 +122,22 @@ static int compare(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static int bench(const char *tool, double seconds) {
-    size_t room = 1 << 16, calls = 0;
+static int bench(const char *tool, double seconds, double warmup) {
+    size_t room = 1 << 16, calls = 0, made = 0;
     double *took = malloc(room * sizeof(double));
-    double end = now_us() + seconds * 1e6;
+    double measured = now_us() + warmup * 1e6;
+    double end = measured + seconds * 1e6;
     char call_id[32], args[32];
-    while (now_us() < end) {
-        snprintf(call_id, sizeof call_id, "b%zu", calls);
-        snprintf(args, sizeof args, "{\"n\":%zu}", calls);
+    for (double at = now_us(); at < end; at = now_us()) {
+        snprintf(call_id, sizeof call_id, "b%zu", made);
+        snprintf(args, sizeof args, "{\"n\":%zu}", made++);
         const char *reply;
         double started = now_us();
         if (call(call_id, tool, args, &reply) != 200) {
             fprintf(stderr, "agent: %s\n", reply);
             return 1;
         }
+        if (started < measured) continue; /* warming up */
         if (calls == room) {
             room *= 2;
             took = realloc(took, room * sizeof(double));
@@ -178,7 +181,8 @@ extern char **environ;
 int main(int argc, char **argv) {
     buffer = malloc((size_t)capacity + 1);
     if (argc >= 2 && strcmp(argv[1], "steps") == 0) return steps(argc - 2, argv + 2);
-    if (argc == 4 && strcmp(argv[1], "bench") == 0) return bench(argv[2], atof(argv[3]));
+    if ((argc == 4 || argc == 5) && strcmp(argv[1], "bench") == 0)
+        return bench(argv[2], atof(argv[3]), argc == 5 ? atof(argv[4]) : 0.0);
     if (argc == 4 && strcmp(argv[1], "calls") == 0) return calls(argv[2], argv[3]);
     if (argc == 2 && strcmp(argv[1], "env") == 0) {
         for (int i = 0; i < argc; i++) printf("argv %s\n", argv[i]);
