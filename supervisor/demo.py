@@ -113,10 +113,10 @@ async def run_demo(
     module = None
     if wasm:
         from supervisor.errors import WasmError
-        from supervisor.zigcc import build_wasm
+        from supervisor.wasm_build import build_c
 
         try:
-            module = await asyncio.to_thread(build_wasm, folder / "agent.c", absolute / "wasm")
+            module = await asyncio.to_thread(build_c, folder / "agent.c", absolute / "wasm")
         except WasmError as exc:
             print(f"hostcall demo: {exc}", file=sys.stderr)
             return EXIT_NO_EXAMPLE

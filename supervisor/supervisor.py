@@ -64,7 +64,7 @@ from supervisor.terminal import StdinRelay, is_terminal
 from supervisor.tracking import TreeTracker, become_subreaper
 
 if TYPE_CHECKING:
-    from supervisor.wasm import ModuleCache, WasmOutcome
+    from supervisor.wasm import Compiled, ModuleCache, WasmOutcome
 
 __all__ = ["ExecutionOutcome", "Limits", "RunOutcome", "Supervisor"]
 
@@ -547,7 +547,7 @@ class Supervisor:
         execution, its calls through the same broker (docs/wasm.md)."""
         from supervisor.wasm import WasmGuest, WasmOutcome
 
-        engine, module = await self._wasm_modules(module_path)
+        compiled = await self._wasm_modules(module_path)
         _, digest = mint_credential()  # nobody holds it: no socket call can be this execution
         execution = self._new_execution(plan, invocation_id, invocation, digest, launch)
         env = {
@@ -556,8 +556,7 @@ class Supervisor:
         started = time.monotonic()
         try:
             guest = WasmGuest(
-                engine,
-                module,
+                compiled,
                 [module_path.name, *launch.argv],
                 env,
                 execution,
@@ -627,12 +626,13 @@ class Supervisor:
             self._invocations.pop(invocation_id, None)
         return outcome
 
-    async def _wasm_modules(self, path: Path) -> tuple[Any, Any]:
-        """A fresh engine and ``path``'s compiled module (compiled once per content)."""
+    async def _wasm_modules(self, path: Path) -> Compiled:
+        """A fresh engine and ``path``'s compiled code (compiled once per content,
+        kept in the state dir's ``wasm-cache/``)."""
         if self._module_cache is None:
             from supervisor.wasm import ModuleCache  # wasmtime takes 50 ms to import
 
-            self._module_cache = ModuleCache()
+            self._module_cache = ModuleCache(self.state.path / "wasm-cache")
         return await asyncio.to_thread(self._module_cache.load, path)
 
     def _start_pumps(

@@ -1,5 +1,11 @@
-"""WebAssembly guests: a WASI (preview 1) command run by wasmtime, its tool
-calls made through the ``hostcall`` imports (docs/wasm.md).
+"""WebAssembly guests run by wasmtime, their tool calls made through the
+``hostcall`` imports (docs/wasm.md).
+
+Two kinds: a WASI preview 1 *module* (a C, Zig, Rust… command) with the i32
+imports of module ``hostcall``; and a WASI preview 2 *component* (a Python
+agent built with componentize-py, …) of the world ``agent`` in
+``channel/hostcall.wit``, whose ``host`` interface takes and returns strings.
+Both call the same :class:`channel.imports.Imports`.
 
 Each execution gets an engine, a store and a thread of its own. The imports
 hand each request to the event loop, where the very broker a native guest's
@@ -24,6 +30,8 @@ import concurrent.futures
 import contextlib
 import hashlib
 import importlib.metadata
+import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -33,6 +41,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import wasmtime
+from wasmtime import component
 
 from channel.imports import Imports
 from channel.routing import ExecutionPort
@@ -42,6 +51,7 @@ from supervisor.limits import EndReason, Limits
 __all__ = [
     "DEFAULT_MEMORY_BYTES",
     "IMPORT_MODULE",
+    "Compiled",
     "ModuleCache",
     "WasmError",
     "WasmGuest",
@@ -62,7 +72,14 @@ OUTPUT_IN_FLIGHT: Final = 1024 * 1024
 IMPORT_MODULE: Final = "hostcall"
 IMPORTS: Final = {"call": 5, "status": 6, "plan": 3, "reply": 2}
 WASI_MODULE: Final = "wasi_snapshot_preview1"
-#: Compiled modules kept, by content: compiling takes ~80 ms, loading ~0.5 ms.
+#: A component's import of the ``host`` interface, and its export (channel/hostcall.wit).
+HOST_INTERFACE: Final = "hostcall:guest/host@0.1.0"
+RUN_EXPORT: Final = "run"
+#: The binary format's version words: a core module's, a component's.
+_MODULE_VERSION: Final = b"\x01\x00\x00\x00"
+_COMPONENT_VERSION: Final = b"\x0d\x00\x01\x00"
+#: Compiled guests kept in memory, by content: compiling a C module takes
+#: ~80 ms and a Python component ~8 s; loading either, < 150 ms.
 MODULES_KEPT: Final = 16
 _I32: Final = wasmtime.ValType.i32()
 _U32: Final = 0xFFFF_FFFF
@@ -78,47 +95,119 @@ def _config() -> wasmtime.Config:
     return config
 
 
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A guest ready to instantiate: its own engine and its code in it."""
+
+    engine: wasmtime.Engine
+    code: wasmtime.Module | component.Component
+
+    @property
+    def is_component(self) -> bool:
+        return isinstance(self.code, component.Component)
+
+
 class ModuleCache:
-    """Modules compiled once per content, loaded into each execution's engine.
+    """Guests compiled once per content, loaded into each execution's engine.
 
     An engine is per execution (its epoch is what stops that guest alone), and
-    a module belongs to one engine; so the machine code is kept serialized —
-    compiled by us, never read from disk — and loaded into each new engine.
+    compiled code belongs to one engine; so the machine code is kept
+    serialized — compiled by us, never read from anywhere else — in memory
+    and, when ``folder`` is given (the state dir's, 0700, no guest sees it),
+    on disk, and loaded into each new engine.
     """
 
-    def __init__(self, kept: int = MODULES_KEPT) -> None:
+    def __init__(self, folder: Path | None = None, kept: int = MODULES_KEPT) -> None:
+        self._folder = folder
         self._kept = kept
         self._compiled: OrderedDict[str, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
-    def load(self, path: Path) -> tuple[wasmtime.Engine, wasmtime.Module]:
-        """A fresh engine and ``path``'s module in it (blocking: run it on a thread).
+    def load(self, path: Path) -> Compiled:
+        """A fresh engine and ``path``'s code in it (blocking: run it on a thread).
 
         Raises:
-            WasmError: not a module we can run.
+            WasmError: not a module or component hostcall runs.
             OSError: the file cannot be read.
         """
         data = path.read_bytes()
+        is_component = _is_component(data)
         digest = hashlib.sha256(data).hexdigest()
-        with self._lock:
-            compiled = self._compiled.get(digest)
-            if compiled is not None:
-                self._compiled.move_to_end(digest)
+        kind = component.Component if is_component else wasmtime.Module
         engine = wasmtime.Engine(_config())
-        if compiled is not None:
-            return engine, wasmtime.Module.deserialize(engine, compiled)
+        serialized = self._serialized(digest)
+        if serialized is not None:
+            with contextlib.suppress(wasmtime.WasmtimeError):  # another wasmtime's: compile
+                return Compiled(engine, kind.deserialize(engine, serialized))
         try:
-            module = wasmtime.Module(engine, data)
-        except wasmtime.WasmtimeError as exc:
-            what = "module" if data.startswith(b"\0asm") else "module (binary, or text)"
+            # Text is handed over as text: wasmtime-py assembles it.
+            code = kind(engine, data if data.startswith(b"\0asm") else data.decode())
+        except (wasmtime.WasmtimeError, UnicodeDecodeError) as exc:
+            what = "component" if is_component else "module (binary, or text)"
+            if data.startswith(b"\0asm") and not is_component:
+                what = "module"
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid"
             raise WasmError(f"{path} is not a WebAssembly {what} hostcall runs: {first}") from None
-        _check_imports(module, path)
+        compiled = Compiled(engine, code)
+        if isinstance(code, component.Component):
+            _check_component(compiled, path)
+        else:
+            _check_imports(code, path)
+        self._keep(digest, bytes(code.serialize()))
+        return compiled
+
+    def _serialized(self, digest: str) -> bytes | None:
         with self._lock:
-            self._compiled[digest] = bytes(module.serialize())
+            found = self._compiled.get(digest)
+            if found is not None:
+                self._compiled.move_to_end(digest)
+                return found
+        if self._folder is None:
+            return None
+        try:
+            return (self._folder / f"{digest}.{RUNTIME['version']}.bin").read_bytes()
+        except OSError:
+            return None
+
+    def _keep(self, digest: str, serialized: bytes) -> None:
+        with self._lock:
+            self._compiled[digest] = serialized
             while len(self._compiled) > self._kept:
                 self._compiled.popitem(last=False)
-        return engine, module
+        if self._folder is None:
+            return
+        with contextlib.suppress(OSError):  # a cache: without it we compile again
+            self._folder.mkdir(mode=0o700, exist_ok=True)
+            final = self._folder / f"{digest}.{RUNTIME['version']}.bin"
+            partial = final.with_suffix(f".{threading.get_ident()}.partial")
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                out.write(serialized)
+            partial.replace(final)
+
+
+def _is_component(data: bytes) -> bool:
+    """A component's binary (its version word), or its text (``(component``)."""
+    if data.startswith(b"\0asm"):
+        return data[4:8] == _COMPONENT_VERSION
+    text = re.sub(rb"\s+|;;[^\n]*", b"", data[:4096])
+    return text.startswith(b"(component")
+
+
+def _check_component(compiled: Compiled, path: Path) -> None:
+    """A component must export ``run`` and import only WASI (preview 2, not
+    ``wasi:http``) and the ``host`` interface."""
+    code = compiled.code
+    assert isinstance(code, component.Component)
+    if code.get_export_index(RUN_EXPORT) is None:
+        raise WasmError(
+            f"{path} exports no run: it is not of the world agent (channel/hostcall.wit)"
+        )
+    for name in code.type.imports(compiled.engine):
+        if name == HOST_INTERFACE:
+            continue
+        if not name.startswith("wasi:") or name.startswith("wasi:http/"):
+            raise WasmError(f"{path} imports {name}: only WASI and {HOST_INTERFACE}")
 
 
 def _check_imports(module: wasmtime.Module, path: Path) -> None:
@@ -152,6 +241,15 @@ class _Stopped(Exception):
     """Raised in an import when the guest was stopped while it waited."""
 
 
+class _Ended(Exception):
+    """A module's ``_start`` failed: the failure, and how to read its memory."""
+
+    def __init__(self, failure: BaseException, peak: Callable[[], int]) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+        self.peak = peak
+
+
 class GuestStream:
     """One WASI output stream, handed from the guest's thread to an
     :class:`asyncio.StreamReader` on the loop — what a native guest's pipe
@@ -165,19 +263,23 @@ class GuestStream:
         self._room = threading.Condition()
 
     def write(self, data: bytes) -> None:
-        """Called by wasmtime on the guest's thread."""
+        """Called by wasmtime: on the guest's thread (a module), or on one of
+        its own (a component's streams are asynchronous). Never raises."""
         chunk = bytes(data)
         with self._room:
             while self._in_flight > OUTPUT_IN_FLIGHT and not self._stopped.is_set():
                 self._room.wait(IMPORT_POLL_S)
             self._in_flight += len(chunk)
-        self._loop.call_soon_threadsafe(self._feed, chunk)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody reads
+            self._loop.call_soon_threadsafe(self._feed, chunk)
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self.reader.feed_eof)
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.reader.feed_eof)
 
     def _feed(self, chunk: bytes) -> None:
-        self.reader.feed_data(chunk)
+        if not self.reader.at_eof():
+            self.reader.feed_data(chunk)
         with self._room:
             self._in_flight -= len(chunk)
             self._room.notify()
@@ -187,9 +289,8 @@ class WasmGuest:
     """One execution's WebAssembly guest: made on the loop, run on its thread.
 
     Args:
-        engine: Its own engine (:meth:`ModuleCache.load`).
-        module: The module, in ``engine``.
-        argv: Its argv (``argv[0]`` its name).
+        compiled: Its own engine and its code (:meth:`ModuleCache.load`).
+        argv: Its argv (``argv[0]`` its name; a component's ``run`` gets the rest).
         env: Its whole environment (the caller scrubs it).
         execution: What its imports reach: the execution's broker, its liveness.
         limits: ``memory_bytes`` caps its linear memory, ``cpu_s`` its CPU
@@ -200,8 +301,7 @@ class WasmGuest:
 
     def __init__(
         self,
-        engine: wasmtime.Engine,
-        module: wasmtime.Module,
+        compiled: Compiled,
         argv: Sequence[str],
         env: Mapping[str, str],
         execution: ExecutionPort,
@@ -210,8 +310,9 @@ class WasmGuest:
         imports: Imports,
         workdir: Path | None = None,
     ) -> None:
-        self._engine = engine
-        self._module = module
+        self._engine = compiled.engine
+        self._code = compiled.code
+        self._args = list(argv[1:])
         self._execution = execution
         self._imports = imports
         self._cpu_s = limits.cpu_s
@@ -236,6 +337,7 @@ class WasmGuest:
         """What the outcome and the admin API say about its confinement."""
         return {
             **RUNTIME,
+            "kind": "component" if isinstance(self._code, component.Component) else "module",
             "limits": {"memory_bytes": self.memory_limit, "cpu": "epoch", "threads": False},
         }
 
@@ -296,42 +398,100 @@ class WasmGuest:
     def _run(self) -> WasmOutcome:
         store = wasmtime.Store(self._engine)
         store.set_wasi(self._wasi)
-        store.set_limits(memory_size=self.memory_limit, instances=1, memories=1)
+        store.set_limits(memory_size=self.memory_limit)
         store.set_epoch_deadline(1)  # one increment — stop() — interrupts it
-        linker = wasmtime.Linker(self._engine)
-        linker.define_wasi()
-        self._define_imports(linker)
         cpu_started = time.thread_time()
         exit_code: int | None = 0
         reason: EndReason = "exited"
         trap: str | None = None
-        memory: object = None
+        peak: Callable[[], int] = lambda: 0  # noqa: E731 - until there is a memory
         try:
-            instance = linker.instantiate(store, self._module)
-            memory = instance.exports(store).get("memory")
-            start = instance.exports(store)["_start"]
-            if self._stopped.is_set():
-                raise _Stopped
-            assert isinstance(start, wasmtime.Func)
-            start(store)
+            if isinstance(self._code, component.Component):
+                exit_code = self._run_component(store, self._code)
+            else:
+                peak = self._run_module(store, self._code)
         except wasmtime.ExitTrap as exit_trap:
             exit_code = exit_trap.code
         except _Stopped:
             exit_code, reason = None, self._stop_reason or "cancelled"
-        except wasmtime.Trap as failure:
-            exit_code = None
-            if failure.trap_code == wasmtime.TrapCode.INTERRUPT or self._stopped.is_set():
-                reason = self._stop_reason or "cancelled"  # we stopped it
-            else:
-                reason, trap = "signalled", failure.message
-        except (wasmtime.WasmtimeError, _GuestFault) as failure:
-            # Instantiation failed (a memory over the cap), or an import was
-            # handed memory the guest does not have.
-            exit_code, reason, trap = None, "signalled", str(failure)
-        peak = memory.data_len(store) if isinstance(memory, wasmtime.Memory) else 0
-        if reason in ("exited", "signalled") and exit_code != 0 and self._at_cap(peak):
+        except _Ended as ended:
+            peak = ended.peak
+            exit_code, reason, trap = self._failed(ended.failure)
+        except (wasmtime.Trap, wasmtime.WasmtimeError, _GuestFault) as failure:
+            exit_code, reason, trap = self._failed(failure)
+        used = peak()
+        if reason in ("exited", "signalled") and exit_code != 0 and self._at_cap(used):
             reason = "memory_limit"  # it needed more than the cap and gave up
-        return WasmOutcome(exit_code, reason, time.thread_time() - cpu_started, peak, trap)
+        return WasmOutcome(exit_code, reason, time.thread_time() - cpu_started, used, trap)
+
+    def _failed(self, failure: BaseException) -> tuple[int | None, EndReason, str | None]:
+        """A trap or error that ended the guest: ours (a stop) or its own."""
+        if isinstance(failure, wasmtime.ExitTrap):
+            return failure.code, "exited", None
+        if isinstance(failure, _Stopped) or self._stopped.is_set():
+            return None, self._stop_reason or "cancelled", None
+        if isinstance(failure, wasmtime.Trap):
+            return None, "signalled", failure.message
+        # Instantiation failed (a memory over the cap, an import missing), or
+        # an import was handed memory the guest does not have.
+        return None, "signalled", str(failure)
+
+    def _run_module(self, store: wasmtime.Store, module: wasmtime.Module) -> Callable[[], int]:
+        """Run a module's ``_start``; returns how to read its memory's size."""
+        linker = wasmtime.Linker(self._engine)
+        linker.define_wasi()
+        self._define_imports(linker)
+        instance = linker.instantiate(store, module)
+        memory = instance.exports(store).get("memory")
+
+        def peak() -> int:
+            return memory.data_len(store) if isinstance(memory, wasmtime.Memory) else 0
+
+        start = instance.exports(store)["_start"]
+        assert isinstance(start, wasmtime.Func)
+        if self._stopped.is_set():
+            raise _Stopped
+        try:
+            start(store)
+        except (wasmtime.Trap, wasmtime.WasmtimeError, _GuestFault, _Stopped) as failure:
+            raise _Ended(failure, peak) from None
+        return peak
+
+    def _run_component(self, store: wasmtime.Store, code: component.Component) -> int:
+        """Run a component's ``run(args)``; returns its result, the exit code.
+        (Its memories are its own: no size is reported.)"""
+        linker = component.Linker(self._engine)
+        linker.add_wasip2()
+        with linker.root() as root, root.add_instance(HOST_INTERFACE) as host:
+            host.add_func("call", self._component_call)
+            host.add_func("status", self._component_status)
+            host.add_func("plan", self._component_plan)
+        instance = linker.instantiate(store, code)
+        run = instance.get_func(store, RUN_EXPORT)
+        if run is None:
+            raise WasmError("the component exports no run")
+        if self._stopped.is_set():
+            raise _Stopped
+        result = run(store, self._args)
+        return int(result) if isinstance(result, int) else 1
+
+    # -- a component's imports: strings in, (status, string) out -----------------
+
+    def _component_call(self, store: object, request: str) -> tuple[int, str]:
+        data = request.encode()
+        if len(data) > self._imports.max_body:
+            status, body = self._imports.oversized(self._execution)
+        else:
+            status, body = self._await(self._imports.call(self._execution, data))
+        return status, body.decode()
+
+    def _component_status(self, store: object, call_id: str, wait_ms: int) -> tuple[int, str]:
+        status, body = self._await(self._imports.status(self._execution, call_id, wait_ms))
+        return status, body.decode()
+
+    def _component_plan(self, store: object) -> tuple[int, str]:
+        status, body = self._await(self._imports.plan(self._execution))
+        return status, body.decode()
 
     def _at_cap(self, peak: int) -> bool:
         """Whether its memory ended near the cap: within a sixteenth of it (at

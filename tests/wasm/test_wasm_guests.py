@@ -107,16 +107,22 @@ def without(fields: set[str], item: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in item.items() if k not in fields}
 
 
+@pytest.mark.parametrize("guest", ["c-module", "python-component"])
 async def test_one_scenario_through_both_transports_leaves_the_same_records_and_receipts(
-    tmp_path: Path, agent_wasm: Path
+    tmp_path: Path, guest: str, request: pytest.FixtureRequest
 ) -> None:
+    """The socket (a native Python guest) against the imports: a C module's
+    i32 ABI, or a Python component's (CPython built for WASI)."""
+    module: Path = request.getfixturevalue(
+        "agent_wasm" if guest == "c-module" else "agent_component"
+    )
     ledger = Ledger()
     plan = scenario_plan(ledger, max_calls=20)
     async with Supervisor(tmp_path / "state", approver=lambda proposal: True) as sup:
         native = await sup.run(
             plan, [sys.executable, str(STEPS_GUEST), "steps", *SCENARIO], invocation_id="inv_n"
         )
-        wasm = await sup.run(plan, ["steps", *SCENARIO], invocation_id="inv_w", wasm=agent_wasm)
+        wasm = await sup.run(plan, ["steps", *SCENARIO], invocation_id="inv_w", wasm=module)
         assert native.exit_status == 0 and wasm.exit_status == 0
         seen_native = replies(sup, native.last, "inv_n")
         seen_wasm = replies(sup, wasm.last, "inv_w")
@@ -164,15 +170,20 @@ async def test_one_scenario_through_both_transports_leaves_the_same_records_and_
     # How each guest ended is reported alike, and says what confined it.
     assert wasm.last.calls == native.last.calls
     assert wasm.last.sandbox["runtime"] == "wasmtime"
+    assert wasm.last.sandbox["kind"] == ("module" if guest == "c-module" else "component")
 
 
 def vars_of(record: Any) -> dict[str, Any]:
     return {name: getattr(record, name) for name in record.__dataclass_fields__}
 
 
+@pytest.mark.parametrize("guest", ["c-module", "python-component"])
 async def test_a_wasm_guest_sees_its_argv_and_only_the_hostcall_names(
-    tmp_path: Path, agent_wasm: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, guest: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    agent_wasm: Path = request.getfixturevalue(
+        "agent_wasm" if guest == "c-module" else "agent_component"
+    )
     monkeypatch.setenv("DATABASE_PASSWORD", "hunter2")  # the host's: never the guest's
     plan = scenario_plan(Ledger())
     async with Supervisor(tmp_path / "state") as sup:
@@ -259,7 +270,13 @@ async def test_limits_stop_a_wasm_guest_and_are_reported_like_a_native_guests(
         assert outcome.cpu_s >= 0.3
 
 
-async def test_a_cancel_interrupts_a_running_wasm_guest(tmp_path: Path, agent_wasm: Path) -> None:
+@pytest.mark.parametrize("guest", ["c-module", "python-component"])
+async def test_a_cancel_interrupts_a_running_wasm_guest(
+    tmp_path: Path, guest: str, request: pytest.FixtureRequest
+) -> None:
+    agent_wasm: Path = request.getfixturevalue(
+        "agent_wasm" if guest == "c-module" else "agent_component"
+    )
     async with Supervisor(tmp_path / "state") as sup:
         started: asyncio.Future[Execution] = asyncio.get_running_loop().create_future()
         run = asyncio.create_task(
@@ -499,3 +516,37 @@ def test_wasm_guest_threads_never_hold_the_supervisor_after_it_closes(
     for thread in left:
         thread.join(STEP_TIMEOUT_S)
     assert not [t for t in left if t.is_alive()]
+
+
+async def test_a_python_component_is_stopped_by_the_timeout_and_its_cpu_limit(
+    tmp_path: Path, agent_component: Path
+) -> None:
+    async with Supervisor(tmp_path / "state") as sup:
+        timed = await sup.run(
+            scenario_plan(Ledger()), ["spin"], wasm=agent_component, limits=Limits(timeout_s=1)
+        )
+        spent = await sup.run(
+            scenario_plan(Ledger()), ["spin"], wasm=agent_component, limits=Limits(cpu_s=0.5)
+        )
+        cached = sorted((sup.state.path / "wasm-cache").iterdir())
+    assert (timed.last.reason, timed.exit_status) == ("timeout", 124)
+    assert (spent.last.reason, spent.exit_status) == ("cpu_limit", 125)
+    assert spent.last.cpu_s >= 0.5
+    # Compiled once (~8 s), kept in the state dir for the next supervisor (0600).
+    assert len(cached) == 1 and cached[0].stat().st_mode & 0o777 == 0o600
+
+
+WAT_COMPONENT_OTHER_IMPORT = """
+(component
+  (import "evil:net/raw" (instance))
+  (core module $m (func (export "run") (result i32) (i32.const 0)))
+  (core instance $i (instantiate $m))
+  (func (export "run") (result s32) (canon lift (core func $i "run"))))
+"""
+
+
+async def test_a_component_importing_more_than_wasi_and_host_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "c.wat").write_text(WAT_COMPONENT_OTHER_IMPORT)
+    async with Supervisor(tmp_path / "state") as sup:
+        with pytest.raises(WasmError, match="imports evil:net/raw"):
+            await sup.run(scenario_plan(Ledger()), [], wasm=tmp_path / "c.wat")
