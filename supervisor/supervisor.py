@@ -507,10 +507,7 @@ class Supervisor:
         del credential  # the redactors hold it until the guest's output ends
         reason: EndReason = "exited"
         try:
-            if launch.on_start is not None:
-                maybe = launch.on_start(execution)
-                if maybe is not None:
-                    await maybe
+            await _started(launch, execution)
             reason = await _wait_for_guest(process, execution, launch.limits.timeout_s)
         finally:
             # The credential stops working the moment the execution ends.
@@ -528,12 +525,17 @@ class Supervisor:
                     async with asyncio.timeout(self._stop_grace_s):
                         await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
         outcome = guest.outcome(reason, time.monotonic() - started, dict(execution.calls()))
+        self._retire(execution, outcome)
+        return outcome
+
+    def _retire(self, execution: Execution, outcome: ExecutionOutcome) -> None:
+        """It ended and nothing of it runs: keep its outcome, free the rest."""
         self._executions.retire(execution, outcome)
+        invocation_id = execution.invocation_id
         self.activity.changed(Topic.INVOCATIONS, invocation_id)
         if not any(e.live for e in self._executions.of_invocation(invocation_id)):
             # Nothing of it runs here now; a resume rebuilds it from the store.
             self._invocations.pop(invocation_id, None)
-        return outcome
 
     async def _run_wasm_once(
         self,
@@ -579,10 +581,7 @@ class Supervisor:
         running = asyncio.ensure_future(guest.run())
         result: WasmOutcome | None = None
         try:
-            if launch.on_start is not None:
-                maybe = launch.on_start(execution)
-                if maybe is not None:
-                    await maybe
+            await _started(launch, execution)
             reason = await _wait_for_wasm(running, execution, launch.limits.timeout_s)
             if reason != "exited":
                 guest.stop(reason)
@@ -620,10 +619,7 @@ class Supervisor:
             calls=dict(execution.calls()),
             sandbox=guest.sandbox,
         )
-        self._executions.retire(execution, outcome)
-        self.activity.changed(Topic.INVOCATIONS, invocation_id)
-        if not any(e.live for e in self._executions.of_invocation(invocation_id)):
-            self._invocations.pop(invocation_id, None)
+        self._retire(execution, outcome)
         return outcome
 
     async def _wasm_modules(self, path: Path) -> Compiled:
@@ -768,6 +764,14 @@ class Supervisor:
             task.result()  # raises why it did not start
             raise RuntimeError("the guest ended before it started")
         return started.result()
+
+
+async def _started(launch: _Launch, execution: Execution) -> None:
+    """Tell the caller its guest runs (``on_start``, sync or async)."""
+    if launch.on_start is not None:
+        maybe = launch.on_start(execution)
+        if maybe is not None:
+            await maybe
 
 
 def _identity(plan: Plan, execution: Execution, socket: str | None) -> GuestIdentity:
