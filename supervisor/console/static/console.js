@@ -180,6 +180,10 @@ function budgetText(budget) {
 
 function sandboxText(sandbox) {
   if (!sandbox || sandbox === "off") return "off";
+  if (sandbox.runtime) {
+    // A WebAssembly guest (docs/wasm.md): its runtime is its sandbox.
+    return `WebAssembly ${sandbox.kind || "module"}, ${sandbox.runtime} ${sandbox.version || ""}`;
+  }
   return `${sandbox.namespaces || "?"}; limits ${sandbox.limits || "?"}`;
 }
 
