@@ -82,6 +82,9 @@ _BUSY_RETRY_S: Final = 0.001
 #: How long the writer waits for the connection to trim or checkpoint (the
 #: loop holds it for one transaction at a time, never across an await).
 _BUSY_WAIT_S: Final = 1.0
+#: Queued by the loop to ask the writer for a checkpoint: commits made on the
+#: loop (one request alone) never pass through the writer otherwise.
+_CHECKPOINT: Final[tuple[list[_Settled], list[Line]]] = ([], [])
 #: Bound on close() waiting for queued ops.
 CLOSE_DRAIN_S: Final = 30.0
 
@@ -111,7 +114,8 @@ class SQLiteEffectStore:
         self._conn: sqlite3.Connection | None = None
         self._pending: list[tuple[_Op, asyncio.Future[Any]]] = []
         self._syncing = 0  # committed batches handed to the writer, not yet answered
-        self._commits = 0  # batches since the last WAL checkpoint (writer thread)
+        self._commits = 0  # batches since the last WAL checkpoint (both threads: approximate)
+        self._checkpoint_asked = False  # _CHECKPOINT is queued, not yet done
         self._wal_fd: int | None = None  # the WAL file, fsync'd after each commit
         self._closing = False
         self._failed: BaseException | None = None  # why the writer thread died
@@ -201,15 +205,15 @@ class SQLiteEffectStore:
                 with contextlib.suppress(queue.Empty):
                     while jobs[-1] is not None:
                         jobs.append(self._queue.get_nowait())
-                batches = [j for j in jobs if j is not None]
+                batches = [j for j in jobs if j is not None and j is not _CHECKPOINT]
                 if batches:
                     held = [s for batch, _ in batches for s in batch]
                     self._sync([line for _, lines in batches for line in lines])
                     self._loop.call_soon_threadsafe(self._synced, held, len(batches))
                     held = []
                     self._commits += len(batches)
-                    if self._journal.unsynced >= CHECKPOINT_ROWS or self._commits >= WAL_BATCHES:
-                        self._checkpoint(conn, wait=True)
+                if self._checkpoint_due() or any(j is _CHECKPOINT for j in jobs):
+                    self._checkpoint(conn, wait=True)
                 if jobs[-1] is None:
                     self._checkpoint(conn, wait=True)
                     return
@@ -234,6 +238,7 @@ class SQLiteEffectStore:
         within ``_BUSY_WAIT_S`` with ``wait``; else at the next chance)."""
         if self._busy.acquire(timeout=_BUSY_WAIT_S if wait else 0):
             try:
+                self._checkpoint_asked = False
                 self._trim(conn)
                 if self._commits:
                     self._commits = 0
@@ -243,6 +248,12 @@ class SQLiteEffectStore:
                         logger.error("effect store %s: WAL checkpoint failed: %s", self.path, exc)
             finally:
                 self._busy.release()
+
+    def _checkpoint_due(self) -> bool:
+        """Enough commits, or journal lines, since the last checkpoint: a WAL
+        left to grow makes every commit an append the file system must
+        allocate, and its fsync twice as dear as an overwrite."""
+        return self._journal.unsynced >= CHECKPOINT_ROWS or self._commits >= WAL_BATCHES
 
     def _trim(self, conn: sqlite3.Connection) -> None:
         if not self._journal.unsynced:
@@ -363,8 +374,11 @@ class SQLiteEffectStore:
                     logger.exception("effect store %s: fsync failed", self.path)
                     self._failed = sqlite3.DatabaseError(f"fsync failed: {exc!r}")
                     return [(None, self._failed)]
-        if self._journal.unsynced >= CHECKPOINT_ROWS:
-            self._trim(self._conn)  # once per CHECKPOINT_ROWS lines
+        if self._checkpoint_due() and not self._checkpoint_asked:
+            # The writer sees none of these commits: ask it. It takes the
+            # connection once this thread lets go of it, off the loop.
+            self._checkpoint_asked = True
+            self._queue.put(_CHECKPOINT)
         return outcomes
 
     def _kick(self) -> None:
