@@ -51,10 +51,10 @@ POINT_FIELDS = {
 }
 CHECKS = {
     "sqlite32_vs_echo32",
-    "sqlite32_vs_mcp32",
     "memory1_vs_echo1",
     "sqlite1_added_p50_us",
-    "memory1_vs_mcp1",
+    "sqlite1_vs_mcp1",
+    "memory1_server_cpu_us",
     "sqlite32_vs_memory32",
     "many_vs_single",
     "many_rss_mb",
@@ -69,6 +69,8 @@ SANDBOX_CHECKS = {
     "sqlite32_sandbox_vs_off",
     "many_not_ok",
 }
+#: What a busy machine does to the server CPU per call (issue 16).
+BUSY_CHECKS = {"busy_cpu_memory1", "busy_cpu_memory32", "busy_cpu_sqlite1", "busy_cpu_sqlite32"}
 #: A fast start of the CLI (issue 14).
 CLI_CHECKS = {"cli_help_ms", "cli_approvals_list_ms"}
 LAUNCH_MODES = {"sandbox": True, "sandbox_fresh_workdir": True, "no_sandbox": False}
@@ -214,10 +216,27 @@ def test_every_check_of_issues_8_and_12_has_a_value_and_a_verdict(
 ) -> None:
     results, stdout = quick_run
     checks = {check["name"]: check for check in results["checks"]}
-    assert set(checks) >= CHECKS | SANDBOX_CHECKS | CLI_CHECKS
-    mcp_checks = {"sqlite32_vs_mcp32", "memory1_vs_mcp1"}
-    for name in (CHECKS | SANDBOX_CHECKS | CLI_CHECKS) - (set() if _has("mcp") else mcp_checks):
+    measured = CHECKS | SANDBOX_CHECKS | CLI_CHECKS | BUSY_CHECKS
+    assert set(checks) >= measured
+    mcp_checks = {"sqlite1_vs_mcp1"}
+    for name in measured - (set() if _has("mcp") else mcp_checks):
         assert checks[name]["value"] is not None, name
         assert checks[name]["verdict"] in ("PASS", "MISS"), name
-    for name in CHECKS | SANDBOX_CHECKS:
+    for name in CHECKS | SANDBOX_CHECKS | BUSY_CHECKS:
         assert checks[name]["what"] in stdout
+
+
+def test_the_busy_part_runs_each_target_idle_and_with_a_core_burnt(
+    quick_run: tuple[dict[str, Any], str],
+) -> None:
+    results, stdout = quick_run
+    busy = results["busy"]
+    assert busy["status"] == "ok"
+    assert busy["burner_cores_used"] > 0.2  # the burner did take CPU
+    for target in ("echo", "hostcall-memory", "hostcall-sqlite"):
+        for side in ("idle", "busy"):
+            points = busy[target][side]["points"]
+            assert [found["inflight"] for found in points] == busy["inflight"], (target, side)
+            for found in points:
+                _assert_point_is_well_formed(found)
+    assert "idle against busy" in stdout

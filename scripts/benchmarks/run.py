@@ -28,6 +28,11 @@ the same guest at 1 and 32 in flight under ``hostcall run`` and ``hostcall
 run --no-sandbox`` one right after the other (each pair in the other order
 than the one before), the ratio taken within each pair and its median
 reported; the unsandboxed runs' best points are the ``-nosandbox`` targets.
+The ``busy`` part runs echo, memory and SQLite at 1 and 32 in flight idle
+and then with a process spinning on a core (``--burners N``), back to back:
+what a busy machine does to each one's server CPU per call. The run also
+reports the steal share of ``/proc/stat``: time the hypervisor gave to
+other guests, a busy host that no process here shows.
 Plus: many guests on one supervisor (sandboxed, and not),
 guest launch overhead (sandboxed, and not), fsync cost, ``guest_client``
 import time. Prints the tables and the checks of issues 8 and 12, writes
@@ -51,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -72,7 +78,11 @@ CHILD_SLACK_S: Final = 120.0
 SERVER_START_S: Final = 30.0
 SERVER_STOP_S: Final = 10.0
 #: ``nosandbox``: every measurement of guests without their sandbox (the pairs too).
-PARTS: Final = ("echo", "hostcall", "nosandbox", "mcp", "launch", "many", "import", "wasm")
+PARTS: Final = (
+    "echo", "hostcall", "nosandbox", "mcp", "launch", "many", "import", "wasm", "busy"
+)  # fmt: skip
+#: The ``busy`` part's targets, each run idle and then with a core burnt.
+BUSY_TARGETS: Final = ("echo", "hostcall-memory", "hostcall-sqlite")
 #: The WebAssembly guest of the ``wasm`` part (its ``bench`` mode), built with ziglang.
 AGENT_C: Final = ROOT / "examples" / "guests" / "wasm" / "agent.c"
 STORES: Final = ("memory", "sqlite")
@@ -85,6 +95,10 @@ class Settings:
     inflight: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     #: The sandbox on against off: pairs of runs, calls in flight, seconds per point.
     pairs: int = 3
+    #: Idle/busy pairs of the ``busy`` part (the same calls in flight as the sandbox pairs).
+    busy_pairs: int = 2
+    #: Processes that each spin on a core in the ``busy`` part's busy runs.
+    burners: int = 1
     pair_inflight: tuple[int, ...] = (1, 32)
     pair_duration_s: float = 2.0
     warmup_s: float = 0.5
@@ -117,6 +131,7 @@ class Settings:
             hop_samples=64,
             rounds=1,
             pairs=1,
+            busy_pairs=1,
             pair_duration_s=0.25,
         )
 
@@ -236,8 +251,11 @@ def _host(name: str, mode: str, work: Path, timeout_s: float, *options: str) -> 
     return result
 
 
-def bench_echo(work: Path, settings: Settings) -> dict[str, Any]:
+def bench_echo(
+    work: Path, settings: Settings, inflight: tuple[int, ...] | None = None
+) -> dict[str, Any]:
     """The bare aiohttp echo server in its own process, the load generator in another."""
+    inflight = inflight or settings.inflight
     socket_path = work / "echo.sock"
     ready_read, ready_write = os.pipe()
     server = subprocess.Popen(
@@ -267,9 +285,9 @@ def bench_echo(work: Path, settings: Settings) -> dict[str, Any]:
                 str(socket_path),
                 "--server-pid",
                 str(server.pid),
-                *_load_args(settings, "noop"),
+                *_load_args(settings, "noop", inflight),
             ],
-            settings.point_budget(len(settings.inflight)),
+            settings.point_budget(len(inflight)),
         )
         return {"status": "ok", "points": _points(result, "noop")}
     finally:
@@ -304,6 +322,75 @@ def bench_hostcall(work: Path, settings: Settings, store: str) -> dict[str, dict
             "points": _points(result, "noop_sync"),
         },
     }
+
+
+@contextlib.contextmanager
+def burning(cores: int) -> Iterator[Callable[[], float]]:
+    """``cores`` processes that each spin on a core: a busy machine. Yields a
+    reader of the CPU seconds they have used (to show they did burn)."""
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        for _ in range(cores)
+    ]
+    readers = [process_cpu(burner.pid) for burner in burners]
+    try:
+        yield lambda: sum(read() for read in readers)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait(SERVER_STOP_S)
+
+
+def bench_busy(work: Path, settings: Settings) -> dict[str, Any]:
+    """The same targets on an idle machine and then with one core burnt by
+    another process, back to back, ``settings.busy_pairs`` times: what a busy
+    host does to calls/s, latency and — the point of it — server CPU per call.
+    """
+    inflight = settings.pair_inflight
+    budget = settings.point_budget(len(inflight))
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        target: {"idle": [], "busy": []} for target in BUSY_TARGETS
+    }
+    burnt: list[float] = []
+
+    def measure(target: str, scratch: Path) -> dict[str, Any]:
+        if target == "echo":
+            return bench_echo(scratch, settings, inflight)
+        store = target.removeprefix("hostcall-")
+        guest = [sys.executable, str(LOADGEN), *_load_args(settings, "noop", inflight)]
+        result = _child_json(
+            f"hostcall run --store {store}",
+            hostcall_run_argv(scratch / f"state-{store}", store, guest),
+            budget,
+            server=True,
+        )
+        return {"status": "ok", "points": _points(result, "noop")}
+
+    for pair in range(settings.busy_pairs):
+        for target in BUSY_TARGETS:
+            for side in ("idle", "busy"):
+                scratch = work / f"busy-{pair}-{target}-{side}"
+                scratch.mkdir()
+                if side == "idle":
+                    runs[target][side].append(measure(target, scratch))
+                    continue
+                began = time.monotonic()
+                with burning(settings.burners) as used:
+                    runs[target][side].append(measure(target, scratch))
+                    burnt.append(used() / (time.monotonic() - began))
+    found: dict[str, Any] = {
+        "status": "ok",
+        "pairs": settings.busy_pairs,
+        "burners": settings.burners,
+        "burner_cores_used": round(statistics.median(burnt), 2),
+        "inflight": list(inflight),
+    }
+    for target in BUSY_TARGETS:
+        found[target] = {
+            side: best_of([{"t": run} for run in runs[target][side]])["t"]
+            for side in ("idle", "busy")
+        }
+    return found
 
 
 def _in_own_pid_namespace(result: dict[str, Any]) -> bool:
@@ -527,6 +614,7 @@ def run(settings: Settings, work: Path, skip: set[str]) -> tuple[dict[str, Any],
         "targets": {},
     }
     ok = True
+    ticks = system.cpu_ticks()
     _say(f"fsync cost on {work}")
     results["fsync"] = system.fsync_cost(work / "fsync", settings.fsync_samples)
 
@@ -602,6 +690,15 @@ def run(settings: Settings, work: Path, skip: set[str]) -> tuple[dict[str, Any],
         results["wasm"] = attempt(
             "a WebAssembly guest against a native one", bench_wasm, work, settings
         )
+    if "busy" not in skip:
+        scratch = work / "busy"
+        scratch.mkdir()
+        results["busy"] = attempt(
+            f"idle against one core burnt, {settings.busy_pairs} pair(s)",
+            bench_busy,
+            scratch,
+            settings,
+        )
     results["thread_hop"] = attempt("thread hop", system.thread_hop, settings.hop_samples)
     for target, entry in targets.items():
         for found in entry.get("points", []):
@@ -609,6 +706,7 @@ def run(settings: Settings, work: Path, skip: set[str]) -> tuple[dict[str, Any],
                 ok = False
                 _say(f"{target} at {found['inflight']}: {found['errors']} bad answers")
     results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["machine"]["steal_share"] = system.steal_share(ticks, system.cpu_ticks())
     results["finished_at"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     results["checks"] = report.checks_json(report.checks(results))
     return results, ok
@@ -621,7 +719,8 @@ def summary(results: dict[str, Any]) -> str:
     lines = [
         f"hostcall benchmark {results['started_at']}: {machine['cpu']}, {machine['cores']} cores, "
         f"Linux {machine['kernel']}, Python {machine['python']}, "
-        f"load {machine['loadavg_start']} -> {machine.get('loadavg_end')}",
+        f"load {machine['loadavg_start']} -> {machine.get('loadavg_end')}, "
+        f"steal {machine.get('steal_share')} of the CPU time (a busy host)",
         f"code: {code.get('commit')} {code.get('subject')!r}"
         + (" + uncommitted changes" if code.get("uncommitted_changes") else ""),
         "",
@@ -634,6 +733,8 @@ def summary(results: dict[str, Any]) -> str:
         report.checks_table(report.checks(results)),
         "",
         report.pairs_table(results),
+        "",
+        report.busy_table(results),
         "",
     ]
     fsync = results.get("fsync", {})
@@ -731,6 +832,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, help="seconds measured per point")
     parser.add_argument("--guests", type=int, help="guests in the many-guests run")
     parser.add_argument(
+        "--burners",
+        type=int,
+        help="processes spinning on a core each in the busy part's busy runs (default 1)",
+    )
+    parser.add_argument(
         "--pairs", type=int, help="pairs of runs with the sandbox on and off (default 3)"
     )
     parser.add_argument(
@@ -766,6 +872,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["guests"] = args.guests
     if args.rounds is not None:
         overrides["rounds"] = args.rounds
+    if args.burners is not None:
+        overrides["burners"] = args.burners
     if args.pairs is not None:
         overrides["pairs"] = args.pairs
     if overrides:

@@ -24,6 +24,27 @@ ROOT: Final = Path(__file__).resolve().parents[2]
 IMPORT_TIMEOUT_S: Final = 30.0
 
 
+def cpu_ticks() -> list[int]:
+    """The machine's CPU time so far, by kind (``/proc/stat``'s first line:
+    user, nice, system, idle, iowait, irq, softirq, steal); empty if unreadable."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(field) for field in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """The share of the CPU time between two :func:`cpu_ticks` that the
+    hypervisor gave to other guests (steal): a busy host, which no process
+    in this machine shows."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(spent)
+    return round(spent[7] / total, 4) if total else None
+
+
 def machine() -> dict[str, Any]:
     """CPU model, cores, memory, kernel, Python and library versions, load average."""
     cpu = "unknown"
