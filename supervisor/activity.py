@@ -32,6 +32,11 @@ MAX_PENDING: Final = 256
 CALLS_PER_INVOCATION: Final = 500
 #: Invocations whose calls are kept; the least recently active is dropped first.
 INVOCATIONS_KEPT: Final = 256
+#: Calls kept across all invocations: an entry costs about 0.8 KB with small
+#: arguments (measured with tracemalloc), so ~16 MiB; past it the least
+#: recently active invocations are dropped whole. Without it 256 invocations
+#: of 500 calls held ~97 MiB.
+CALLS_KEPT: Final = 20_000
 #: Arguments of one call larger than this (as JCS) are not kept.
 MAX_ARGS_BYTES: Final = 64 * 1024
 #: Arguments kept across all invocations; the oldest are dropped first.
@@ -170,8 +175,9 @@ class CallEntry:
 class CallJournal:
     """Each invocation's last :data:`CALLS_PER_INVOCATION` calls, in memory.
 
-    Bounded three ways, so a guest that makes calls without end cannot grow
-    the supervisor: calls per invocation, invocations kept, and bytes of
+    Bounded four ways, so guests that make calls without end cannot grow
+    the supervisor: calls per invocation, invocations kept, calls overall
+    (the least recently active invocations go first), and bytes of
     arguments overall (the oldest arguments are dropped first; the call
     stays, marked ``args_kept: false``). Nothing here is durable: the
     receipts are the record.
@@ -182,11 +188,14 @@ class CallJournal:
         *,
         per_invocation: int = CALLS_PER_INVOCATION,
         invocations: int = INVOCATIONS_KEPT,
+        calls: int = CALLS_KEPT,
         max_args_bytes: int = MAX_ARGS_BYTES,
         args_budget_bytes: int = ARGS_BUDGET_BYTES,
     ) -> None:
         self._per_invocation = per_invocation
         self._invocations = invocations
+        self._max_calls = calls
+        self._kept = 0  # calls in all the deques
         self._max_args = max_args_bytes
         self._budget = args_budget_bytes
         self._calls: collections.OrderedDict[str, collections.deque[CallEntry]] = (
@@ -203,15 +212,17 @@ class CallJournal:
         calls = self._calls.get(invocation_id)
         if calls is None:
             calls = self._calls[invocation_id] = collections.deque(maxlen=self._per_invocation)
-            while len(self._calls) > self._invocations:
-                _, dropped = self._calls.popitem(last=False)
-                for old in dropped:
-                    self._drop_args(old)
         else:
             self._calls.move_to_end(invocation_id)
         if len(calls) == calls.maxlen:
             self._drop_args(calls[0])
+        else:
+            self._kept += 1
         calls.append(entry)
+        while len(self._calls) > 1 and (
+            len(self._calls) > self._invocations or self._kept > self._max_calls
+        ):
+            self._drop_oldest_invocation()
         if entry.args is None:
             return
         if entry.args_bytes > self._max_args:
@@ -229,6 +240,12 @@ class CallJournal:
         """The kept calls of ``invocation_id``, oldest first; ``None`` if none are kept."""
         calls = self._calls.get(invocation_id)
         return None if calls is None else list(calls)
+
+    def _drop_oldest_invocation(self) -> None:
+        _, dropped = self._calls.popitem(last=False)
+        self._kept -= len(dropped)
+        for old in dropped:
+            self._drop_args(old)
 
     def _drop_args(self, entry: CallEntry) -> None:
         if entry.args is None:

@@ -93,3 +93,37 @@ def test_the_journal_does_not_grow_with_calls_whose_arguments_it_dropped() -> No
     for n in range(10_000):
         journal.add("inv_1", entry(f"c{n}", {"n": n}, 10))
     assert len(journal._holding) <= 2 * 10 + 64
+
+
+def test_the_journal_keeps_a_bounded_number_of_calls_across_invocations() -> None:
+    journal = CallJournal(per_invocation=10, invocations=100, calls=25, args_budget_bytes=10**9)
+    for inv in range(4):
+        for n in range(10):
+            journal.add(f"inv_{inv}", entry(f"c{n}", {"n": n}, 10))
+    # 40 calls made, at most 25 kept: the least recently active went first, whole.
+    assert journal.calls("inv_0") is None and journal.calls("inv_1") is None
+    assert [len(journal.calls(f"inv_{inv}") or []) for inv in (2, 3)] == [10, 10]
+    journal.add("inv_2", entry("late", {"n": 0}, 10))  # inv_2 is now the most recent
+    for n in range(10):
+        journal.add("inv_4", entry(f"c{n}", {"n": n}, 10))
+    assert journal.calls("inv_3") is None
+    assert journal.calls("inv_2") is not None and journal.calls("inv_4") is not None
+
+
+def test_the_journal_of_many_busy_invocations_stays_within_its_memory_bound() -> None:
+    """What a long-running `hostcall serve` holds: guests coming and going,
+    each making hundreds of calls. Measured, not counted: tracemalloc."""
+    import tracemalloc
+
+    journal = CallJournal()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for inv in range(120):  # 60,000 calls: three times CALLS_KEPT
+            for n in range(500):
+                args = {"account": f"acct_{inv}_{n}", "cents": n}
+                journal.add(f"inv_{inv:024x}", entry(f"call_{inv}_{n}", args, 40))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 24 * 2**20, f"{held / 2**20:.1f} MiB"
