@@ -212,7 +212,10 @@ class SQLiteEffectStore:
                     self._loop.call_soon_threadsafe(self._synced, held, len(batches))
                     held = []
                     self._commits += len(batches)
-                if self._checkpoint_due() or any(j is _CHECKPOINT for j in jobs):
+                asked = any(j is _CHECKPOINT for j in jobs)
+                if asked:  # answered now, taken or not: the loop may ask again
+                    self._checkpoint_asked = False
+                if asked or self._checkpoint_due():
                     self._checkpoint(conn, wait=True)
                 if jobs[-1] is None:
                     self._checkpoint(conn, wait=True)
@@ -238,7 +241,6 @@ class SQLiteEffectStore:
         within ``_BUSY_WAIT_S`` with ``wait``; else at the next chance)."""
         if self._busy.acquire(timeout=_BUSY_WAIT_S if wait else 0):
             try:
-                self._checkpoint_asked = False
                 self._trim(conn)
                 if self._commits:
                     self._commits = 0
