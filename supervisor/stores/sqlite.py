@@ -449,6 +449,7 @@ class SQLiteEffectStore:
         """Answer every batch still in the writer's queue with ``error``
         (the writer is gone)."""
         self._syncing = 0
+        self._checkpoint_asked = False
         lost: list[asyncio.Future[Any]] = []
         with contextlib.suppress(queue.Empty):
             while True:
@@ -493,7 +494,7 @@ class SQLiteEffectStore:
         # A fresh start also after an open() that failed and closed.
         self._journal = ReceiptJournal()
         self._pending, self._scheduled, self._syncing, self._commits = [], False, 0, 0
-        self._closing, self._failed = False, None
+        self._closing, self._failed, self._checkpoint_asked = False, None, False
         self._thread = threading.Thread(
             target=self._serve, args=(conn, self._wal_fd), name="hostcall-sqlite", daemon=True
         )
