@@ -227,10 +227,7 @@ def checks(results: dict[str, Any]) -> list[Check]:
         _check(
             f"busy_cpu_{store}{inflight}",
             f"one core burnt ÷ idle: server CPU per call, {store} store, {inflight} in flight",
-            _ratio(
-                _busy(results, f"hostcall-{store}", "busy", inflight, "server_cpu_us_per_call"),
-                _busy(results, f"hostcall-{store}", "idle", inflight, "server_cpu_us_per_call"),
-            ),
+            _busy_cpu(results, f"hostcall-{store}", inflight),
             BUSY_CPU_RATIO,
             "<=",
         )
@@ -260,10 +257,7 @@ def checks(results: dict[str, Any]) -> list[Check]:
             _check(
                 f"busy_cpu_echo{inflight}",
                 f"one core burnt ÷ idle: server CPU per call, bare echo, {inflight} in flight",
-                _ratio(
-                    _busy(results, "echo", "busy", inflight, "server_cpu_us_per_call"),
-                    _busy(results, "echo", "idle", inflight, "server_cpu_us_per_call"),
-                ),
+                _busy_cpu(results, "echo", inflight),
                 None,
                 "<=",
             )
@@ -357,6 +351,15 @@ def checks(results: dict[str, Any]) -> list[Check]:
     return found + busy + info
 
 
+def _busy_cpu(results: dict[str, Any], target: str, inflight: int) -> float | None:
+    """Busy ÷ idle server CPU per call of ``target``: the median within the pairs."""
+    busy = results.get("busy") or {}
+    if busy.get("status") != "ok":
+        return None
+    value: float | None = busy[target].get("cpu_ratio_median", {}).get(str(inflight))
+    return value
+
+
 def _busy(results: dict[str, Any], target: str, side: str, inflight: int, key: str) -> float | None:
     """A figure of the idle/busy pairs (``run.bench_busy``) at one point, if measured."""
     busy = results.get("busy") or {}
@@ -380,8 +383,9 @@ def busy_table(results: dict[str, Any]) -> str:
         return f"idle against busy: {busy.get('status', 'not measured')}"
     rows = [
         f"idle against busy: {busy['burners']} other process(es) spinning, "
-        f"{busy['burner_cores_used']} cores used by them; best of {busy['pairs']} "
-        "back-to-back pair(s): idle → busy",
+        f"{busy['burner_cores_used']} cores used by them; {busy['pairs']} back-to-back "
+        "pair(s), the best of each side: idle → busy; CPU busy ÷ idle: the median of the "
+        "ratios within the pairs",
         "",
         "| target | in flight | calls/s | p50 µs | server CPU µs/call | CPU busy ÷ idle |",
         "|---|--:|--:|--:|--:|--:|",
@@ -394,10 +398,7 @@ def busy_table(results: dict[str, Any]) -> str:
                 loaded = _busy(results, target, "busy", inflight, key)
                 return f"{_fmt(idle)} → {_fmt(loaded)}"
 
-            ratio = _ratio(
-                _busy(results, target, "busy", inflight, "server_cpu_us_per_call"),
-                _busy(results, target, "idle", inflight, "server_cpu_us_per_call"),
-            )
+            ratio = _busy_cpu(results, target, inflight)
             rows.append(
                 f"| {TARGETS[target]} | {inflight} | {pair('calls_per_s')} | {pair('p50_us')} "
                 f"| {pair('server_cpu_us_per_call')} | {_fmt(ratio, 2)} |"

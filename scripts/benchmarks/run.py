@@ -324,21 +324,44 @@ def bench_hostcall(work: Path, settings: Settings, store: str) -> dict[str, dict
     }
 
 
+#: A burner: spins until its parent (this benchmark) is gone or its time is up,
+#: so that none outlives a benchmark that was killed.
+_BURNER: Final = (
+    "import os, sys, time\n"
+    "parent, end = os.getppid(), time.monotonic() + float(sys.argv[1])\n"
+    "while os.getppid() == parent and time.monotonic() < end:\n"
+    "    pass\n"
+)
+
+
 @contextlib.contextmanager
-def burning(cores: int) -> Iterator[Callable[[], float]]:
-    """``cores`` processes that each spin on a core: a busy machine. Yields a
-    reader of the CPU seconds they have used (to show they did burn)."""
-    burners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
-        for _ in range(cores)
-    ]
-    readers = [process_cpu(burner.pid) for burner in burners]
+def burning(cores: int, limit_s: float) -> Iterator[Callable[[], float]]:
+    """``cores`` processes that each spin on a core, for at most ``limit_s``:
+    a busy machine. Yields a reader of the CPU seconds they have used (to
+    show they did burn; a burner already gone counts what it had)."""
+    burners: list[subprocess.Popen[bytes]] = []
+    used: dict[int, float] = {}
+
+    def read() -> float:
+        for burner in burners:
+            with contextlib.suppress(Exception):  # psutil's errors once it is gone
+                used[burner.pid] = process_cpu(burner.pid)()
+        return sum(used.values())
+
     try:
-        yield lambda: sum(read() for read in readers)
+        for _ in range(cores):
+            burners.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _BURNER, str(limit_s)], stdin=subprocess.DEVNULL
+                )
+            )
+        yield read
     finally:
         for burner in burners:
             burner.kill()
-            burner.wait(SERVER_STOP_S)
+        for burner in burners:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                burner.wait(SERVER_STOP_S)
 
 
 def bench_busy(work: Path, settings: Settings) -> dict[str, Any]:
@@ -375,7 +398,7 @@ def bench_busy(work: Path, settings: Settings) -> dict[str, Any]:
                     runs[target][side].append(measure(target, scratch))
                     continue
                 began = time.monotonic()
-                with burning(settings.burners) as used:
+                with burning(settings.burners, budget) as used:
                     runs[target][side].append(measure(target, scratch))
                     burnt.append(used() / (time.monotonic() - began))
     found: dict[str, Any] = {
@@ -390,7 +413,24 @@ def bench_busy(work: Path, settings: Settings) -> dict[str, Any]:
             side: best_of([{"t": run} for run in runs[target][side]])["t"]
             for side in ("idle", "busy")
         }
+        # The check: busy ÷ idle server CPU per call within each pair, median.
+        found[target]["cpu_ratio_median"] = {
+            str(n): _median_ratio(runs[target]["busy"], runs[target]["idle"], n) for n in inflight
+        }
     return found
+
+
+def _median_ratio(
+    above: list[dict[str, Any]], below: list[dict[str, Any]], inflight: int
+) -> float | None:
+    """Median over the pairs of ``above`` ÷ ``below`` server CPU per call at ``inflight``."""
+    ratios = []
+    for one, other in zip(above, below, strict=True):
+        a = next(p for p in one["points"] if p["inflight"] == inflight)["server_cpu_us_per_call"]
+        b = next(p for p in other["points"] if p["inflight"] == inflight)["server_cpu_us_per_call"]
+        if a is not None and b:
+            ratios.append(a / b)
+    return round(statistics.median(ratios), 3) if ratios else None
 
 
 def _in_own_pid_namespace(result: dict[str, Any]) -> bool:
