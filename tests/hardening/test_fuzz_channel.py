@@ -48,6 +48,11 @@ from supervisor import Plan, Supervisor, tool
 from supervisor.executions import Execution
 from tests.harness import STEP_TIMEOUT_S, Driver, Ledger, billing_plan, driven_guest, wait_until
 
+#: Multiplies every batch's number of generated cases (1 in the suite). The
+#: endurance run of docs/guarantees.md sets it, with pytest's
+#: ``--hypothesis-seed`` so that the run can be repeated.
+SCALE = int(os.environ.get("HOSTCALL_FUZZ_SCALE", "1"))
+
 #: A guest that relays raw bytes to a Unix socket for the test driving it.
 #: Commands are JSON lines on stdin, each run in its own thread, each answered
 #: with one JSON line carrying its ``id``:
@@ -683,14 +688,14 @@ async def test_generated_raw_frames_get_no_5xx_run_no_handler_and_leave_the_serv
         runs = sum(ledger.runs.values())
         batches = {}
         for name, strategy, examples, seeds in (
-            ("malformed request line and headers", raw_frames(relay), 250, []),
+            ("malformed request line and headers", raw_frames(relay), 250 * SCALE, []),
             (
                 "hostile identity, content type and body",
                 hostile_requests(relay),
-                250,
+                250 * SCALE,
                 seed_frames(relay),
             ),
-            ("framing", framing_attacks(relay), 40, []),
+            ("framing", framing_attacks(relay), 40 * SCALE, []),
         ):
             batch = await asyncio.to_thread(run_frames, relay, strategy, examples, seeds)
             batches[name] = batch
@@ -1104,9 +1109,14 @@ async def test_schemathesis_cases_from_the_openapi_document_get_conforming_answe
         assert plan_answer is not None
         doc = document()
         phases: list[tuple[str, dict[str, Any], dict[str, str] | None, Callable[[str], int]]] = [
-            ("unauthenticated", doc, None, lambda path: 20),
-            ("authenticated", doc, own, lambda path: 60 if path == "/v1/calls" else 25),
-            ("plan-aware", plan_aware(doc, plan_answer.json), own, lambda path: 150),
+            ("unauthenticated", doc, None, lambda path: 20 * SCALE),
+            (
+                "authenticated",
+                doc,
+                own,
+                lambda path: (60 if path == "/v1/calls" else 25) * SCALE,
+            ),
+            ("plan-aware", plan_aware(doc, plan_answer.json), own, lambda path: 150 * SCALE),
         ]
         for phase, phase_doc, identity, examples in phases:
             await asyncio.to_thread(
