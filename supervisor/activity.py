@@ -60,10 +60,12 @@ Notice = tuple[Topic, str | None]
 
 
 class Subscription:
-    """One subscriber's unread notices, each ``(topic, invocation)`` once."""
+    """One subscriber's unread notices, each ``(topic, invocation)`` once;
+    only of ``topics`` when given (``RESYNC`` always comes through)."""
 
-    def __init__(self, hub: EventHub) -> None:
+    def __init__(self, hub: EventHub, topics: frozenset[Topic] | None = None) -> None:
         self._hub = hub
+        self._topics = topics
         self._pending: dict[Notice, None] = {}
         self._ready = asyncio.Event()
 
@@ -71,6 +73,8 @@ class Subscription:
         """Add a notice (the hub calls this)."""
         if notice in self._pending:
             return
+        if self._topics is not None and notice[0] not in self._topics:
+            return  # not woken for what it does not read (a call, at every call)
         if len(self._pending) >= MAX_PENDING:
             self._pending = {(Topic.RESYNC, None): None}
         else:
@@ -116,9 +120,9 @@ class EventHub:
         for subscriber in self._subscribers:
             subscriber.post(notice)
 
-    def subscribe(self) -> Subscription:
-        """A new subscription; close it when done."""
-        subscription = Subscription(self)
+    def subscribe(self, topics: frozenset[Topic] | None = None) -> Subscription:
+        """A new subscription (to ``topics`` only, when given); close it when done."""
+        subscription = Subscription(self, topics)
         self._subscribers.add(subscription)
         return subscription
 

@@ -188,6 +188,9 @@ class Tool:
     ambiguous_errors: tuple[type[BaseException], ...] = DEFAULT_AMBIGUOUS_ERRORS
     input_schema: dict[str, Any] = field(default_factory=dict)
     output_schema: dict[str, Any] | None = None
+    #: ``input_model``'s field names, read once: pydantic's ``model_fields``
+    #: is a descriptor that showed in the per-call profile.
+    field_names: tuple[str, ...] = ()
 
     @classmethod
     def build(
@@ -261,6 +264,7 @@ class Tool:
             max_calls=pick("max_calls", None),
             ambiguous_errors=ambiguous_errors,
             input_schema=input_model.model_json_schema(),
+            field_names=tuple(input_model.model_fields),
             output_schema=output_schema,
         )
 
@@ -301,7 +305,8 @@ class Tool:
         """The positional and keyword arguments to call the handler with."""
         if self.model_argument is not None:
             return (), {self.model_argument: model}
-        return (), {name: getattr(model, name) for name in type(model).model_fields}
+        names = self.field_names if type(model) is self.input_model else type(model).model_fields
+        return (), {name: getattr(model, name) for name in names}
 
     def describe(self) -> dict[str, Any]:
         """This tool as ``GET /v1/plan`` shows it (docs/protocol.md, "Endpoints")."""

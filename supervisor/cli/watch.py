@@ -36,6 +36,8 @@ __all__ = ["StatusLine", "Watch", "decide_hint"]
 
 #: How often the status line is redrawn.
 STATUS_INTERVAL_S: Final = 0.25
+#: The notices after which the watcher reads approvals and executions again.
+_LOOKED_AT: Final = frozenset({Topic.APPROVALS, Topic.INVOCATIONS, Topic.RESYNC})
 #: Arguments are cut to this many characters in the waiting line.
 SHORT_ARGS: Final = 80
 _SPINNER: Final = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
@@ -205,12 +207,13 @@ class Watch:
         self._out.say(one_line(line))
 
     async def _follow(self) -> None:
-        with self._sup.activity.events.subscribe() as notices:
+        # Without a status line, calls change nothing it shows: not woken by them.
+        topics = None if self._line is not None else _LOOKED_AT
+        with self._sup.activity.events.subscribe(topics) as notices:
             self._look()
             while True:
                 got = await notices.next(STATUS_INTERVAL_S)
-                topics = {topic for topic, _ in got}
-                if topics & {Topic.APPROVALS, Topic.INVOCATIONS, Topic.RESYNC}:
+                if {topic for topic, _ in got} & _LOOKED_AT:
                     self._look()
                 if self._line is not None:
                     self._line.show(self._status())

@@ -54,6 +54,20 @@ async def test_a_waiting_subscriber_wakes_when_a_notice_comes() -> None:
             assert await waiting == [(Topic.LOGS, "inv_1")]
 
 
+async def test_a_subscription_to_some_topics_is_not_woken_by_the_others() -> None:
+    """``hostcall run``'s watcher reads approvals and executions: a call, at
+    every call, must not wake it."""
+    hub = EventHub()
+    with hub.subscribe(frozenset({Topic.APPROVALS})) as some, hub.subscribe() as every:
+        for _ in range(10):
+            hub.publish(Topic.CALLS, "inv_1")
+        assert await some.next(0.01) == []
+        assert await every.next(1.0) == [(Topic.CALLS, "inv_1")]
+        hub.publish(Topic.CALLS, "inv_2")
+        hub.publish(Topic.APPROVALS)
+        assert await some.next(1.0) == [(Topic.APPROVALS, None)]
+
+
 def test_the_journal_keeps_the_newest_calls_per_invocation() -> None:
     journal = CallJournal(per_invocation=3)
     for n in range(5):
