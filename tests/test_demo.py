@@ -144,15 +144,20 @@ def test_an_auto_approved_call_runs_once_and_its_receipt_names_the_approval(
     assert _rows(output, approval_id) == [[approval_id, "refund-1002", "dispatched", "approver"]]
 
 
-def test_the_bank_holds_one_charge_per_charge_call_and_one_mail_though_calls_were_retried(
-    demo_run: tuple[subprocess.CompletedProcess[str], Path],
-) -> None:
-    bank = demo_run[1] / "bank.db"
+def _assert_each_effect_once(bank: Path) -> None:
+    """One charge per charge call and one mail in the demo's bank."""
     with contextlib.closing(sqlite3.connect(bank)) as db:
         charges = dict(db.execute("SELECT memo, count(*) FROM charges GROUP BY memo").fetchall())
         outbox = db.execute("SELECT count(*) FROM outbox").fetchone()[0]
     assert charges == {memo: 1 for memo in CHARGE_MEMOS.values()}
     assert outbox == 1
+
+
+def test_the_bank_holds_one_charge_per_charge_call_and_one_mail_though_calls_were_retried(
+    demo_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    bank = demo_run[1] / "bank.db"
+    _assert_each_effect_once(bank)
     # The approved refund gave acct_bob's charge back, once.
     assert _refunds(bank) == [REFUND]
     assert _balances(bank) == {"acct_alice": 50_00 - 12_50, "acct_bob": 20_00 - 8_00 + 8_00}
@@ -416,9 +421,5 @@ def test_the_demo_with_a_webassembly_agent_has_the_same_effects_in_the_bank(
     assert output.count("-> ambiguous (unknown), idempotency_key") == 2
     assert "-> approved and executed: rf_1, acct_bob balance is now 2000 cents" in output
     bank = state_dir / "bank.db"
-    with contextlib.closing(sqlite3.connect(bank)) as db:
-        charges = dict(db.execute("SELECT memo, count(*) FROM charges GROUP BY memo").fetchall())
-        outbox = db.execute("SELECT count(*) FROM outbox").fetchone()[0]
-    assert charges == {memo: 1 for memo in CHARGE_MEMOS.values()}
-    assert outbox == 1
+    _assert_each_effect_once(bank)
     assert _refunds(bank) == [REFUND]

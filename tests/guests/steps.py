@@ -9,33 +9,17 @@ transport test runs one scenario through both and compares what they saw.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import socket
 import sys
 
-
-class UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=60)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(60)
-        self.sock.connect(self._path)
+# The driven guest's connection and identity headers (it reads the
+# credential when imported; this file runs beside it).
+from driver import IDENTITY, UnixConnection
 
 
 def main(steps: list[str]) -> int:
-    with os.fdopen(int(os.environ["HOSTCALL_CREDENTIAL_FD"]), "rb") as f:
-        credential = f.read().decode().strip()
-    headers = {
-        "Authorization": f"Bearer {credential}",
-        "Hostcall-Invocation": os.environ["HOSTCALL_INVOCATION"],
-        "Hostcall-Execution": os.environ["HOSTCALL_EXECUTION"],
-        "Hostcall-Plan": os.environ["HOSTCALL_PLAN"],
-    }
+    headers = IDENTITY
     for step in steps:
         kind, _, rest = step.partition(":")
         body = None
