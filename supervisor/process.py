@@ -60,20 +60,14 @@ class GuestIdentity:
 
 
 def guest_environment(base: Mapping[str, str], identity: GuestIdentity) -> dict[str, str]:
-    """The guest's environment: ``base`` without any ``HOSTCALL_*``, plus ours."""
+    """The guest's environment: ``base`` without any ``HOSTCALL_*``, plus ours
+    (no ``HOSTCALL_SOCKET`` for a guest without a socket: a WebAssembly one)."""
     env = {k: v for k, v in base.items() if not k.startswith("HOSTCALL_")}
     if identity.socket_path is not None:
         env["HOSTCALL_SOCKET"] = identity.socket_path
-    return env | identity_environment(identity)
-
-
-def identity_environment(identity: GuestIdentity) -> dict[str, str]:
-    """The ``HOSTCALL_*`` names every guest gets, also one without a socket."""
-    env = {
-        "HOSTCALL_INVOCATION": identity.invocation_id,
-        "HOSTCALL_EXECUTION": identity.execution_id,
-        "HOSTCALL_PLAN": identity.plan_hash,
-    }
+    env["HOSTCALL_INVOCATION"] = identity.invocation_id
+    env["HOSTCALL_EXECUTION"] = identity.execution_id
+    env["HOSTCALL_PLAN"] = identity.plan_hash
     if identity.approval_leases:
         # So the guest client waits as long as a proposal may (guest_client.leases).
         env["HOSTCALL_APPROVAL_LEASES"] = json.dumps(

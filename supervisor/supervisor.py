@@ -51,7 +51,6 @@ from supervisor.process import (
     CredentialTransport,
     GuestIdentity,
     guest_environment,
-    identity_environment,
     wait_exited,
 )
 from supervisor.protection import protect_process
@@ -552,9 +551,7 @@ class Supervisor:
         compiled = await self._wasm_modules(module_path)
         _, digest = mint_credential()  # nobody holds it: no socket call can be this execution
         execution = self._new_execution(plan, invocation_id, invocation, digest, launch)
-        env = {
-            k: v for k, v in (launch.env or {}).items() if not k.startswith("HOSTCALL_")
-        } | identity_environment(_identity(plan, execution, None))
+        env = guest_environment(launch.env or {}, _identity(plan, execution, None))
         started = time.monotonic()
         try:
             guest = WasmGuest(
