@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
 import os
 import resource
@@ -95,7 +94,7 @@ def default_max_connections() -> int:
 def _answer(code: str, message: str) -> bytes:
     """A whole HTTP response refusing a connection before any request was read."""
     reply = CallReply.refused(None, Refusal(code, message))
-    body = json.dumps(reply.to_json(), separators=(",", ":")).encode()
+    body = reply.to_bytes()
     head = (
         f"HTTP/1.1 {reply.http_status} {HTTPStatus(reply.http_status).phrase}\r\n"
         "Content-Type: application/json\r\n"

@@ -17,13 +17,12 @@ guest's memory.
 
 from __future__ import annotations
 
-import json
 from typing import Final
 
 from channel.errors import Refusal
 from channel.ids import is_valid_id
 from channel.routing import ExecutionPort
-from channel.wire import CallReply, parse_call_request
+from channel.wire import CallReply, compact_json, parse_call_request
 
 __all__ = ["MAX_WAIT_MS", "Imports"]
 
@@ -85,11 +84,11 @@ class Imports:
         """``plan``: the body of ``GET /v1/plan``."""
         if (fenced := _fenced(execution)) is not None:
             return _refused(fenced)
-        return 200, json.dumps(await execution.broker.plan_view(), separators=(",", ":")).encode()
+        return 200, compact_json(await execution.broker.plan_view()).encode()
 
 
 def _body(reply: CallReply) -> tuple[int, bytes]:
-    return reply.http_status, json.dumps(reply.to_json(), separators=(",", ":")).encode()
+    return reply.http_status, reply.to_bytes()
 
 
 def _refused(refusal: Refusal, call_id: str | None = None) -> tuple[int, bytes]:

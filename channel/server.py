@@ -10,7 +10,6 @@ built by :class:`CallReply`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -34,7 +33,7 @@ from channel.errors import Refusal
 from channel.identity import authenticate, check_origin
 from channel.openapi import OPENAPI_PATH, document_bytes
 from channel.routing import ExecutionDirectory, ExecutionPort
-from channel.wire import CallReply, is_valid_id, parse_call_request
+from channel.wire import CallReply, compact_json, is_valid_id, parse_call_request
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
@@ -59,7 +58,7 @@ LISTEN_BACKLOG: Final = 1024
 
 def _json_response(reply: CallReply) -> web.Response:
     return web.Response(
-        body=json.dumps(reply.to_json(), separators=(",", ":")).encode(),
+        body=reply.to_bytes(),
         status=reply.http_status,
         content_type="application/json",
     )
@@ -281,7 +280,7 @@ class ChannelServer:
         execution = await self._identify(request)
         body = await execution.broker.plan_view()
         return web.Response(
-            body=json.dumps(body, separators=(",", ":")).encode(),
+            body=compact_json(body).encode(),
             content_type="application/json",
         )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
@@ -23,6 +23,7 @@ __all__ = [
     "CallRequest",
     "Effect",
     "ReplyStatus",
+    "compact_json",
     "is_valid_id",
     "parse_call_request",
     "parse_strict_json",
@@ -45,6 +46,15 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# Made once, not per call as json.loads/json.dumps with options do: both are
+# reentrant, and every request and reply goes through them.
+_strict_decode: Final = json.JSONDecoder(
+    object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant
+).decode
+#: ``json.dumps(value, separators=(",", ":"))``: ASCII-only compact JSON.
+compact_json: Final = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def parse_strict_json(raw: bytes) -> Any:
     """Parse RFC 8259 JSON, refusing duplicate keys and NaN/Infinity.
 
@@ -52,10 +62,7 @@ def parse_strict_json(raw: bytes) -> Any:
         Refusal: ``bad_request`` when the bytes are not strict JSON.
     """
     try:
-        text = raw.decode("utf-8")
-        return json.loads(
-            text, object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant
-        )
+        return _strict_decode(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise Refusal("bad_request", f"body is not valid JSON: {exc}") from None
 
@@ -177,6 +184,10 @@ class CallReply:
             self.reason,
             self.error,
         )
+
+    def to_bytes(self) -> bytes:
+        """The JSON body, encoded."""
+        return compact_json(self.to_json()).encode()
 
     def to_json(self) -> dict[str, Any]:
         """The JSON body. ``result`` appears on ``ok`` only, ``error`` on failures."""

@@ -486,7 +486,7 @@ class Broker:
     async def _invoke(self, tool: Tool, model: BaseModel) -> Any:
         args, kwargs = tool.bind(model)
         handler = tool.handler
-        if inspect.iscoroutinefunction(handler) or inspect.isasyncgenfunction(handler):
+        if tool.is_async:
             return await _consume_async(handler(*args, **kwargs))
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(self.executor, _call_sync, handler, args, kwargs)
@@ -554,11 +554,20 @@ def _call_sync(handler: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     return result
 
 
+#: What a handler usually returns: nothing to await or consume (checked by
+#: exact type first: the ABC checks below are slow).
+_PLAIN: Final = frozenset({dict, list, str, int, float, bool, type(None)})
+
+
 async def _consume_async(result: Any) -> Any:
-    if isinstance(result, AsyncIterator):
-        return [item async for item in result]
-    if inspect.isawaitable(result):
+    if inspect.iscoroutine(result):  # the usual: an async def's (never an async iterator)
         result = await result
+    elif isinstance(result, AsyncIterator):
+        return [item async for item in result]
+    elif inspect.isawaitable(result):
+        result = await result
+    if type(result) in _PLAIN:
+        return result
     if isinstance(result, Iterator) and not isinstance(result, (str, bytes)):
         return list(result)
     return result

@@ -21,16 +21,36 @@ def _is_simple(value: Any) -> bool:
     """Whether ``value`` holds only what :mod:`json` serializes exactly as JCS does:
     ASCII keys (sorted the same by code point and by UTF-16 unit), strings,
     booleans, ``None`` and safe integers — no floats (JCS formats numbers as
-    ECMAScript does, which differs from Python's ``repr``)."""
-    if value is None or isinstance(value, str | bool):
-        return True
-    if isinstance(value, int):
-        return -_MAX_SAFE_INT <= value <= _MAX_SAFE_INT
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and k.isascii() and _is_simple(v) for k, v in value.items())
-    if isinstance(value, list):
-        return all(_is_simple(v) for v in value)
-    return False
+    ECMAScript does, which differs from Python's ``repr``).
+
+    Exact types only (a subclass may serialize differently: it takes the
+    reference path), walked with a stack: this runs for every call's
+    arguments, result and receipt.
+    """
+    stack = [value]
+    pop, push, extend = stack.pop, stack.append, stack.extend
+    while stack:
+        item = pop()
+        kind = type(item)
+        if kind is str or kind is bool or item is None:
+            continue
+        if kind is int:
+            if -_MAX_SAFE_INT <= item <= _MAX_SAFE_INT:
+                continue
+            return False
+        if kind is dict:
+            for key, inner in item.items():
+                if type(key) is not str or not key.isascii():
+                    return False
+                kind = type(inner)
+                if kind is str or inner is None or kind is bool:
+                    continue  # the usual leaf, without a trip through the stack
+                push(inner)
+        elif kind is list:
+            extend(item)
+        else:
+            return False
+    return True
 
 
 def jcs(value: Any) -> bytes:

@@ -191,6 +191,9 @@ class Tool:
     #: ``input_model``'s field names, read once: pydantic's ``model_fields``
     #: is a descriptor that showed in the per-call profile.
     field_names: tuple[str, ...] = ()
+    #: Whether the handler is an ``async def`` (or async generator): it runs
+    #: on the event loop; otherwise in the worker pool. Found once, at build.
+    is_async: bool = False
 
     @classmethod
     def build(
@@ -266,6 +269,7 @@ class Tool:
             input_schema=input_model.model_json_schema(),
             field_names=tuple(input_model.model_fields),
             output_schema=output_schema,
+            is_async=inspect.iscoroutinefunction(handler) or inspect.isasyncgenfunction(handler),
         )
 
     @property

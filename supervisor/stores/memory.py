@@ -81,7 +81,10 @@ class MemoryEffectStore:
         tool_calls = dict(record.used.tool_calls or {})
         tool_calls[tool] = tool_calls.get(tool, 0) + calls
         used = BudgetUse(record.used.calls + calls, record.used.cost + cost, tool_calls)
-        self._invocations[invocation_id] = replace(record, used=used)
+        # Built, not dataclasses.replace'd: this runs for every call.
+        self._invocations[invocation_id] = InvocationRecord(
+            record.invocation_id, record.plan_hash, record.created_at, record.deadline_at, used
+        )
 
     async def reserve(
         self, invocation_id: str, tool: str, cost: float, limits: BudgetLimits
@@ -116,27 +119,38 @@ class MemoryEffectStore:
             record = self._records[key] = start.pending_record(existing, now)
             return Begun(True, record)
 
-    def _update_pending(self, key: tuple[str, str], **changes: Any) -> None:
+    def _update_pending(
+        self,
+        key: tuple[str, str],
+        status: EffectStatus,
+        now: float,
+        response: Mapping[str, Any] | None = None,
+    ) -> None:
         record = self._records.get(key)
         if record is not None and record.status is EffectStatus.PENDING:
-            self._records[key] = replace(record, **changes)
+            self._records[key] = EffectRecord(
+                record.invocation_id,
+                record.call_id,
+                record.tool,
+                record.idempotency_key,
+                status,
+                record.execution_id,
+                response,
+                record.created_at,
+                now,
+            )
 
     async def commit(
         self, invocation_id: str, call_id: str, response: Mapping[str, Any], now: float
     ) -> None:
         with self._lock:
             self._update_pending(
-                (invocation_id, call_id),
-                status=EffectStatus.COMMITTED,
-                response=dict(response),
-                updated_at=now,
+                (invocation_id, call_id), EffectStatus.COMMITTED, now, dict(response)
             )
 
     async def mark_unknown(self, invocation_id: str, call_id: str, now: float) -> None:
         with self._lock:
-            self._update_pending(
-                (invocation_id, call_id), status=EffectStatus.UNKNOWN, updated_at=now
-            )
+            self._update_pending((invocation_id, call_id), EffectStatus.UNKNOWN, now)
 
     async def release(self, invocation_id: str, call_id: str) -> None:
         with self._lock:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
@@ -37,6 +36,7 @@ from typing import Any, Final, Literal, TypeAlias
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
+from channel.wire import compact_json
 from supervisor.budget import BudgetLimits
 from supervisor.errors import StoreUnavailable
 from supervisor.ids import is_valid_id, new_id
@@ -610,7 +610,7 @@ class PostgresEffectStore:
     async def commit(
         self, invocation_id: str, call_id: str, response: Mapping[str, Any], now: float
     ) -> None:
-        text = json.dumps(response, separators=(",", ":"))
+        text = compact_json(response)
         await self._settle(
             COMMIT,
             (invocation_id, call_id),

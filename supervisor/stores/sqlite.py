@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -40,6 +39,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Final, TypeVar, cast
 
+from channel.wire import compact_json
 from supervisor.budget import BudgetLimits
 from supervisor.errors import StoreUnavailable
 from supervisor.receipt_files import fsync_path
@@ -569,7 +569,7 @@ class SQLiteEffectStore:
     ) -> None:
         """See :meth:`EffectStore.commit`; with ``receipt`` (its file and its
         fields) the call's receipt is journaled in the same transaction."""
-        text = json.dumps(response, separators=(",", ":"))
+        text = compact_json(response)
 
         def op(conn: sqlite3.Connection) -> None:
             sql.commit(conn, invocation_id, call_id, text, now)
