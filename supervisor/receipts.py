@@ -38,6 +38,8 @@ __all__ = [
 ]
 
 GENESIS_HASH: Final = "0" * 64
+#: json's own string quoting (its C encoder's, ``ensure_ascii=False``), which is JCS's.
+_quote: Final = json.encoder.encode_basestring
 _FIELDS: Final = (
     "receipt_id",
     "invocation_id",
@@ -56,6 +58,7 @@ _FIELDS: Final = (
     "hash",
 )
 _FIELD_SET: Final = frozenset(_FIELDS)
+_QUOTED_NAMES: Final = {name: _quote(name) + ":" for name in _FIELDS}
 
 
 def make_receipt(
@@ -95,11 +98,50 @@ def make_receipt(
 
 
 def seal(receipt: Mapping[str, Any], prev_hash: str) -> tuple[bytes, str]:
-    """Chain ``receipt`` after ``prev_hash``: its JSON line and its ``hash``."""
+    """Chain ``receipt`` after ``prev_hash``: its JSON line and its ``hash``.
+
+    The line is ``json.dumps(sealed, separators=(",", ":"), ensure_ascii=False)``
+    (fields in the receipt's own order, ``prev_hash`` and ``hash`` last); the
+    hash is of the JCS of everything but ``hash``.
+    """
     sealed = {**receipt, "prev_hash": prev_hash}
-    sealed["hash"] = digest = sha256_hex(jcs(sealed))
-    line = json.dumps(sealed, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+    quoted = _quoted(sealed)
+    if quoted is None:  # not only ASCII names and text or null values: the general path
+        sealed["hash"] = digest = sha256_hex(jcs(sealed))
+        line = json.dumps(sealed, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+        return line, digest
+    # Every receipt hostcall writes: each value quoted once, for the hash's
+    # sorted JCS and for the line in its own order (one receipt per call).
+    try:
+        canonical = ("{" + ",".join([quoted[name] for name in sorted(quoted)]) + "}").encode()
+        digest = sha256_hex(canonical)
+        line = ("{" + ",".join(quoted.values()) + f',"hash":"{digest}"}}\n').encode()
+    except UnicodeEncodeError as exc:  # a lone surrogate: not JSON text
+        raise ValueError(f"not canonical JSON: {exc}") from exc
     return line, digest
+
+
+def _quoted(fields: Mapping[str, Any]) -> dict[str, str] | None:
+    """``"name":value`` of each field as JCS (and json.dumps) write it, or
+    None unless every name is ASCII text and every value text or null.
+
+    ASCII names sort the same by code point and by UTF-16 unit, and json's
+    string escaping is JCS's (see :func:`supervisor.canonical.jcs`).
+    """
+    quoted = {}
+    for name, value in fields.items():
+        key = _QUOTED_NAMES.get(name)
+        if key is None:
+            if type(name) is not str or not name.isascii():
+                return None
+            key = _quote(name) + ":"
+        if value is None:
+            quoted[name] = key + "null"
+        elif type(value) is str:
+            quoted[name] = key + _quote(value)
+        else:
+            return None
+    return quoted
 
 
 class ReceiptOutcome(enum.StrEnum):

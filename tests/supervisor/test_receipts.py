@@ -7,9 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import rfc8785
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from supervisor import Supervisor
+from supervisor.receipts import seal
 from tests.harness import Ledger, billing_plan, driven_guest, hostcall_cli
 
 FIELDS = {
@@ -150,3 +154,33 @@ async def test_garbage_and_missing_files_are_reported(tmp_path: Path) -> None:
     code, err = await _verify(tmp_path / "missing.jsonl")
     assert code == 2
     assert "cannot read" in err
+
+
+_texts = st.text() | st.sampled_from(
+    ["é", "\U0001f600", "\ue000", "\u2028", "\x7f", "\ud800", '"\\']
+)
+_receipts = st.dictionaries(
+    st.sampled_from(sorted(FIELDS - {"hash", "prev_hash"})) | st.text(max_size=6),
+    st.none() | _texts | st.integers() | st.floats(allow_nan=False),
+    max_size=16,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_receipts, st.text(alphabet="0123456789abcdef", min_size=64, max_size=64))
+def test_seal_writes_the_line_of_json_dumps_and_the_hash_of_rfc8785(
+    receipt: dict[str, Any], prev_hash: str
+) -> None:
+    # seal quotes text values itself (it runs once per call): it must give
+    # exactly json.dumps's line and the sha256 of the rfc8785 package's JCS.
+    sealed = {**receipt, "prev_hash": prev_hash}
+    try:
+        reference = rfc8785.dumps(sealed)
+    except Exception:
+        with pytest.raises(ValueError, match="not canonical JSON"):
+            seal(receipt, prev_hash)
+        return
+    line, digest = seal(receipt, prev_hash)
+    assert digest == hashlib.sha256(reference).hexdigest()
+    expected = {**sealed, "hash": digest}
+    assert line == json.dumps(expected, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
