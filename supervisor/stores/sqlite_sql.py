@@ -193,18 +193,11 @@ def use(conn: sqlite3.Connection, invocation_id: str, tool: str, calls: int, cos
 
 def begin(conn: sqlite3.Connection, start: StartCall, now: float, charge: Charge | None) -> Begun:
     # One transaction on the only writer: the check, the charge and the
-    # insert are atomic, and cost one fsync together.
-    existing = get_effect(conn, start.invocation_id, start.call_id)
-    if existing is not None and not start.reruns(existing):
-        return Begun(False, existing)
-    if charge is not None:
-        invocation = get_invocation(conn, start.invocation_id)
-        refused = charge_refusal(charge, invocation.used if invocation else None, now)
-        if refused is not None:
-            return Begun(False, existing, refused)
-        use(conn, start.invocation_id, charge.tool, 1, charge.cost)
-    if existing is None:
-        changed = conn.execute(
+    # insert are atomic, and cost one fsync together. The insert comes first
+    # (a new call is the usual case): a row that is already there is read
+    # only then, and an insert whose charge does not fit is taken back.
+    inserted = (
+        conn.execute(
             "INSERT INTO effects (invocation_id, call_id, tool, idempotency_key, status,"
             " execution_id, created_at, updated_at)"
             " VALUES (?, ?, ?, ?, 'pending', ?, ?, ?) ON CONFLICT DO NOTHING",
@@ -218,17 +211,50 @@ def begin(conn: sqlite3.Connection, start: StartCall, now: float, charge: Charge
                 now,
             ),
         ).rowcount
-    else:
+        == 1
+    )
+    existing = None
+    if not inserted:
+        existing = get_effect(conn, start.invocation_id, start.call_id)
+        if existing is None:
+            # Cannot happen under BEGIN IMMEDIATE; if it did, the savepoint
+            # rolls the charge back and the call is refused, not run.
+            raise sqlite3.IntegrityError("begin lost a race it cannot lose")
+        if not start.reruns(existing):
+            return Begun(False, existing)
+    if charge is not None:
+        refused = charge_refusal(charge, budget_use(conn, start.invocation_id, charge.tool), now)
+        if refused is not None:
+            if inserted:
+                conn.execute(
+                    "DELETE FROM effects WHERE invocation_id = ? AND call_id = ?",
+                    (start.invocation_id, start.call_id),
+                )
+            return Begun(False, existing, refused)
+        use(conn, start.invocation_id, charge.tool, 1, charge.cost)
+    if not inserted:
         changed = conn.execute(
             "UPDATE effects SET status = 'pending', execution_id = ?, updated_at = ?"
             " WHERE invocation_id = ? AND call_id = ? AND status = 'unknown'",
             (start.execution_id, now, start.invocation_id, start.call_id),
         ).rowcount
-    if changed != 1:
-        # Cannot happen under BEGIN IMMEDIATE; if it did, the savepoint
-        # rolls the charge back and the call is refused, not run.
-        raise sqlite3.IntegrityError("begin lost a race it cannot lose")
+        if changed != 1:
+            raise sqlite3.IntegrityError("begin lost a race it cannot lose")
     return Begun(True, start.pending_record(existing, now))
+
+
+def budget_use(conn: sqlite3.Connection, invocation_id: str, tool: str) -> BudgetUse | None:
+    """What an invocation has used, with ``tool``'s own calls only (all a
+    charge of ``tool`` is checked against), in one statement."""
+    row = conn.execute(
+        "SELECT calls_used, cost_used,"
+        " (SELECT calls_used FROM tool_usage WHERE invocation_id = ?1 AND tool = ?2)"
+        " FROM invocations WHERE invocation_id = ?1",
+        (invocation_id, tool),
+    ).fetchone()
+    if row is None:
+        return None
+    return BudgetUse(row[0], row[1], {tool: row[2]} if row[2] is not None else {})
 
 
 def commit(
