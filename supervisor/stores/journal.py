@@ -47,6 +47,10 @@ logger = logging.getLogger(__name__)
 
 #: Journaled lines after which the files are fsync'd and the journal trimmed.
 CHECKPOINT_ROWS: Final = 1024
+#: Chain heads kept in memory (one per receipt file, so per invocation); past
+#: this, a checkpoint forgets the least recently written files' heads, which
+#: their files' last lines hold (read again if the file is written again).
+HEADS_KEPT: Final = 4096
 #: More than any receipt line (ids and names are bounded): how far back a
 #: damaged tail is read past what the journal holds.
 _LONGEST_LINE: Final = 65536
@@ -88,9 +92,12 @@ class ReceiptJournal:
     commit is on disk, :meth:`write` appends its lines to their files.
     """
 
-    def __init__(self) -> None:
-        self._heads: dict[str, str] = {}  # path -> hash of its last committed line
-        self._batch_heads: dict[str, str] = {}
+    def __init__(self, *, heads_kept: int | None = None) -> None:
+        #: path -> (hash, journal row) of its last committed line, least
+        #: recently committed first.
+        self._heads: dict[str, tuple[str, int]] = {}
+        self._heads_kept = HEADS_KEPT if heads_kept is None else heads_kept
+        self._batch_heads: dict[str, tuple[str, int]] = {}
         self._batch: list[Line] = []
         self._op: list[tuple[Line, str]] = []
         self._dirty: set[str] = set()  # written since the last checkpoint
@@ -120,33 +127,39 @@ class ReceiptJournal:
         for queued, digest in reversed(self._op):
             if queued.path == path:
                 return digest
-        head = self._batch_heads.get(path)
-        if head is None:
-            head = self._heads.get(path)
-        if head is None:
-            try:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-                head = last_hash(Path(path))
-            except (OSError, ValueError, KeyError) as exc:
-                # The chain cannot continue this file; the lines stay in the
-                # journal (the next start reports them) and the call is recorded.
-                self._break(path, OSError(f"its last line is unreadable: {exc}"))
-                head = GENESIS_HASH
-            self._heads[path] = head
+        known = self._batch_heads.get(path) or self._heads.get(path)
+        if known is not None:
+            return known[0]
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            head = last_hash(Path(path))
+        except (OSError, ValueError, KeyError) as exc:
+            # The chain cannot continue this file; the lines stay in the
+            # journal (the next start reports them) and the call is recorded.
+            self._break(path, OSError(f"its last line is unreadable: {exc}"))
+            head = GENESIS_HASH
+        self._heads[path] = (head, 0)  # what the file holds: nothing unwritten
         return head
+
+    @property
+    def heads(self) -> int:
+        """How many files' chain heads are held in memory."""
+        return len(self._heads)
 
     def end_op(self, *, kept: bool) -> None:
         if kept:
             for line, digest in self._op:
                 self._batch.append(line)
-                self._batch_heads[line.path] = digest
+                self._batch_heads[line.path] = (digest, line.seq)
         self._op.clear()
 
     def committed(self) -> list[Line]:
         """The transaction committed: move the heads; returns its lines, for
         :meth:`write` once the commit is on disk."""
         batch, self._batch = self._batch, []
-        self._heads.update(self._batch_heads)
+        for path, head in self._batch_heads.items():
+            self._heads.pop(path, None)  # to the end: the most recently committed
+            self._heads[path] = head
         self._batch_heads = {}
         return batch
 
@@ -203,6 +216,24 @@ class ReceiptJournal:
             conn.rollback()
             raise
         self.unsynced = 0
+        self._forget_heads()
+
+    def _forget_heads(self) -> None:
+        """Keep at most ``heads_kept`` chain heads: forget the least recently
+        committed ones whose last line is in its file (written: a broken
+        file's lines are not, so its head stays). Under the store's
+        connection lock, so no line is being chained or written meanwhile."""
+        excess = len(self._heads) - self._heads_kept
+        if excess <= 0:
+            return
+        done = self._written_seq
+        forget = [
+            path
+            for path, (_, seq) in self._heads.items()
+            if seq <= done and path not in self._broken
+        ][:excess]
+        for path in forget:
+            del self._heads[path]
 
     def _break(self, path: str, exc: OSError) -> None:
         # The lines stay in the journal; the next start writes them.
@@ -246,7 +277,8 @@ class ReceiptJournal:
                     written += len(missing)
             except OSError as exc:
                 logger.error("cannot complete receipts %s from the journal: %s", path, exc)
-                self._heads[path] = rows[-1][0]  # new lines continue the journaled ones
+                # New lines continue the journaled ones (never forgotten: broken).
+                self._heads[path] = (rows[-1][0], 0)
                 self._broken.add(path)  # and all of them stay in the journal
                 continue
             conn.execute("DELETE FROM receipt_journal WHERE path = ?", (path,))

@@ -28,7 +28,7 @@ import pytest
 from supervisor.errors import StoreUnavailable
 from supervisor.receipts import GENESIS_HASH, make_receipt, seal, verify_chain
 from supervisor.stores import SQLiteEffectStore, StartCall
-from supervisor.stores.journal import JournaledReceipts
+from supervisor.stores.journal import JOURNAL_SCHEMA, JournaledReceipts, Line, ReceiptJournal
 from tests.harness import STEP_TIMEOUT_S, read_line, wait_until
 
 GUEST = Path(__file__).parents[1] / "guests" / "scripted.py"
@@ -310,3 +310,45 @@ def test_hostcall_run_killed_after_a_commit_has_its_executed_receipt_after_resum
     ]
     assert receipts[0]["result_sha256"] == receipts[1]["result_sha256"]
     assert verify_chain(path) == (2, None)
+
+
+def test_the_journal_holds_a_bounded_number_of_chain_heads_and_every_chain_continues(
+    tmp_path: Path,
+) -> None:
+    # One head per receipt file, so per invocation: a supervisor that runs
+    # for months must not keep them all. Forgotten heads are read back from
+    # their files; a head whose last line is not in its file yet is kept.
+    conn = sqlite3.connect(tmp_path / "journal.db", isolation_level=None)
+    conn.executescript(JOURNAL_SCHEMA)
+    journal = ReceiptJournal(heads_kept=4)
+    files = [tmp_path / "receipts" / f"inv_{n}.jsonl" for n in range(12)]
+
+    def commit(path: Path, call_id: str) -> list[Line]:
+        conn.execute("BEGIN IMMEDIATE")
+        journal.add(conn, path, _receipt(call_id))
+        journal.end_op(kept=True)
+        conn.execute("COMMIT")
+        return journal.committed()
+
+    for turn in range(3):
+        for path in files:
+            journal.write(commit(path, f"c{turn}"))
+            journal.checkpoint(conn)
+            assert journal.heads <= 4
+    # Committed but not yet written (the writer has not fsync'd them): a
+    # checkpoint meanwhile keeps their heads, or the next line would fork.
+    waiting = [commit(path, "c3") for path in files[:6]]
+    journal.checkpoint(conn)
+    assert journal.heads >= 6
+    for lines in waiting:
+        journal.write(lines)
+    for path in files:
+        journal.write(commit(path, "c4"))
+    journal.checkpoint(conn)
+    conn.close()
+
+    assert journal.heads <= 4
+    for n, path in enumerate(files):
+        expected = ["c0", "c1", "c2", "c3", "c4"] if n < 6 else ["c0", "c1", "c2", "c4"]
+        assert _call_ids(path) == expected
+        assert verify_chain(path) == (len(expected), None)
