@@ -7,6 +7,7 @@ import collections
 import contextlib
 import enum
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -33,7 +34,7 @@ class ExecutionState(enum.StrEnum):
     FENCED = "fenced"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Execution:
     """One launch of a guest: its identity facts, its broker and its state."""
 
@@ -69,6 +70,8 @@ class Execution:
     launched: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set once its guest is gone, every process of it ended, and its outcome known.
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Its calls by receipt outcome while it runs (its broker's own count).
+    _calls: Mapping[str, int] = field(init=False, repr=False)
 
     async def wait_launched(self, timeout_s: float) -> None:
         """Wait (bounded) until the guest's pid is recorded."""
@@ -105,10 +108,7 @@ class Execution:
         return Refusal("cancelled", "the execution ended before the call was dispatched")
 
     def __post_init__(self) -> None:
-        #: Its calls by receipt outcome, so far (the broker's own count).
-        self._calls: Mapping[str, int] = (
-            self.broker.outcomes if isinstance(self.broker, Broker) else {}
-        )
+        self._calls = self.broker.outcomes if isinstance(self.broker, Broker) else {}
 
     def calls(self) -> Mapping[str, int]:
         """Its calls by receipt outcome, so far."""
@@ -136,7 +136,8 @@ class Execution:
     def retire(self, outcome: ExecutionOutcome) -> None:
         """It ended and nothing of it runs: keep its identity facts and outcome,
         free the rest (its broker is replaced by one that refuses)."""
-        self.outcome = outcome
+        self.outcome = outcome  # its calls are counted there now
+        self._calls = _NO_CALLS
         self.process = None
         self.stopped.set()
         self.stopped = _ENDED
@@ -188,6 +189,7 @@ class _EndedBroker:
 
 
 ENDED_BROKER: Final = _EndedBroker()
+_NO_CALLS: Final[Mapping[str, int]] = types.MappingProxyType({})
 _ENDED: Final = asyncio.Event()
 _ENDED.set()
 #: Ended executions remembered (so their credentials get ``execution_fenced``,

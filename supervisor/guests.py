@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import shutil
@@ -318,10 +319,27 @@ class GuestLauncher:
             cgroup_counts_cpu=cgroup is not None and cgroup.usage().cpu_s is not None,
         )
         self.tracker.track_sandbox(sandbox_tree, process.pid)
-        description = {
-            **launch.description,
-            "limits": cgroup.kind if cgroup is not None else "sampled",
-        }
+        description = _shared(
+            {**launch.description, "limits": cgroup.kind if cgroup is not None else "sampled"}
+        )
         return RunningGuest(
             execution_id, process, sandbox_tree, description, self, sandboxed, cgroup
         )
+
+
+#: Sandbox descriptions in use, by content: most guests of one supervisor
+#: have the same, and every ended execution keeps its own (bounded).
+_DESCRIPTIONS: dict[str, Mapping[str, Any]] = {}
+_DESCRIPTIONS_KEPT: Final = 64
+
+
+def _shared(description: Mapping[str, Any]) -> Mapping[str, Any]:
+    """One object for every equal description (never changed once made): an
+    ended execution keeps it, ten thousand of them at most."""
+    key = json.dumps(description, sort_keys=True, default=str)
+    shared = _DESCRIPTIONS.get(key)
+    if shared is not None:
+        return shared
+    if len(_DESCRIPTIONS) < _DESCRIPTIONS_KEPT:
+        _DESCRIPTIONS[key] = description
+    return description
