@@ -128,6 +128,8 @@ def _quoted(fields: Mapping[str, Any]) -> dict[str, str] | None:
     ASCII names sort the same by code point and by UTF-16 unit, and json's
     string escaping is JCS's (see :func:`supervisor.canonical.jcs`).
     """
+    if "hash" in fields:  # sealed already: json.dumps's line keeps the field's place
+        return None
     quoted = {}
     for name, value in fields.items():
         key = _QUOTED_NAMES.get(name)
