@@ -8,13 +8,19 @@ from typing import Any, Final
 
 import rfc8785
 
-__all__ = ["idempotency_key", "idempotency_key_sized", "jcs", "sha256_hex"]
+__all__ = ["compact_json", "idempotency_key", "idempotency_key_sized", "jcs", "sha256_hex"]
 
 #: JCS numbers are IEEE doubles: integers beyond this lose precision.
 _MAX_SAFE_INT: Final = 2**53 - 1
 _encode: Final = json.JSONEncoder(
     ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
 ).encode
+
+
+#: ``json.dumps(value, separators=(",", ":"))``, made once (it is reentrant):
+#: a stored response is written with it on every call. The channel has its
+#: own (``channel.wire.compact_json``): it imports nothing of the supervisor.
+compact_json: Final = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _is_simple(value: Any) -> bool:

@@ -36,8 +36,8 @@ from typing import Any, Final, Literal, TypeAlias
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
-from channel.wire import compact_json
 from supervisor.budget import BudgetLimits
+from supervisor.canonical import compact_json
 from supervisor.errors import StoreUnavailable
 from supervisor.ids import is_valid_id, new_id
 from supervisor.receipt_files import ReceiptLog

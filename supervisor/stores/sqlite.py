@@ -39,8 +39,8 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Final, TypeVar, cast
 
-from channel.wire import compact_json
 from supervisor.budget import BudgetLimits
+from supervisor.canonical import compact_json
 from supervisor.errors import StoreUnavailable
 from supervisor.receipt_files import fsync_path
 from supervisor.receipts import Receipts
