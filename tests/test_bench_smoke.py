@@ -240,3 +240,31 @@ def test_the_busy_part_runs_each_target_idle_and_with_a_core_burnt(
             for found in points:
                 _assert_point_is_well_formed(found)
     assert "idle against busy" in stdout
+
+
+def test_compare_runs_two_trees_side_by_side_and_reports_each_metric_per_pair(
+    tmp_path: Path,
+) -> None:
+    # The tool that A/Bs two versions (docs/benchmarks.md): this tree against
+    # itself, one pair, a short window; only the shape is checked.
+    out = tmp_path / "compare.json"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmarks" / "compare.py"),
+            *("--base", str(ROOT), "--head", str(ROOT), "--pairs", "2"),
+            *("--warmup", "0.1", "--duration", "0.3", "--json", str(out)),
+        ],
+        env=without_hostcall_env(),
+        capture_output=True,
+        text=True,
+        timeout=QUICK_RUN_TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(out.read_text())
+    assert (result["store"], result["inflight"], result["pairs"]) == ("memory", 1, 2)
+    for metric in ("calls_per_s", "p50_us", "p99_us", "server_cpu_us_per_call"):
+        row = result["summary"][metric]
+        assert row["base_median"] > 0 and row["head_median"] > 0
+        assert len(row["ratios"]) == 2 and row["ratio_median"] > 0
+    assert "server_cpu_us_per_call" in completed.stdout
