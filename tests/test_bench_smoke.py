@@ -246,7 +246,7 @@ def test_compare_runs_two_trees_side_by_side_and_reports_each_metric_per_pair(
     tmp_path: Path,
 ) -> None:
     # The tool that A/Bs two versions (docs/benchmarks.md): this tree against
-    # itself, one pair, a short window; only the shape is checked.
+    # itself, two pairs, a short window; only the shape is checked.
     out = tmp_path / "compare.json"
     completed = subprocess.run(
         [
