@@ -54,6 +54,8 @@ SANDBOX_ATTEMPTS: Final = 2
 #: Tasks a sandboxed guest with a cgroup may have when no --max-procs says
 #: otherwise: forks past it fail (a fork bomb cannot take the host's pids).
 DEFAULT_MAX_TASKS: Final = 4096
+#: Distinct sandbox descriptions a launcher shares among its guests.
+_DESCRIPTIONS_KEPT: Final = 64
 
 
 @dataclass(eq=False)
@@ -194,6 +196,20 @@ class GuestLauncher:
         self._hidden = tuple(hidden)
         self._transport: CredentialTransport = credential_transport
         self._trusted: dict[str, list[Path]] = {}
+        #: Sandbox descriptions by content: most of this launcher's guests have
+        #: the same one, and every ended execution keeps its own (bounded).
+        self._descriptions: dict[str, Mapping[str, Any]] = {}
+
+    def _shared(self, description: Mapping[str, Any]) -> Mapping[str, Any]:
+        """One object for every equal description (never changed once made):
+        an ended execution keeps it, ten thousand of them at most."""
+        key = json.dumps(description, sort_keys=True, default=str)
+        shared = self._descriptions.get(key)
+        if shared is not None:
+            return shared
+        if len(self._descriptions) < _DESCRIPTIONS_KEPT:
+            self._descriptions[key] = description
+        return description
 
     def _trusted_for(self, plan_key: str, plan_path: Path | None) -> list[Path]:
         found = self._trusted.get(plan_key)
@@ -319,27 +335,9 @@ class GuestLauncher:
             cgroup_counts_cpu=cgroup is not None and cgroup.usage().cpu_s is not None,
         )
         self.tracker.track_sandbox(sandbox_tree, process.pid)
-        description = _shared(
+        description = self._shared(
             {**launch.description, "limits": cgroup.kind if cgroup is not None else "sampled"}
         )
         return RunningGuest(
             execution_id, process, sandbox_tree, description, self, sandboxed, cgroup
         )
-
-
-#: Sandbox descriptions in use, by content: most guests of one supervisor
-#: have the same, and every ended execution keeps its own (bounded).
-_DESCRIPTIONS: dict[str, Mapping[str, Any]] = {}
-_DESCRIPTIONS_KEPT: Final = 64
-
-
-def _shared(description: Mapping[str, Any]) -> Mapping[str, Any]:
-    """One object for every equal description (never changed once made): an
-    ended execution keeps it, ten thousand of them at most."""
-    key = json.dumps(description, sort_keys=True, default=str)
-    shared = _DESCRIPTIONS.get(key)
-    if shared is not None:
-        return shared
-    if len(_DESCRIPTIONS) < _DESCRIPTIONS_KEPT:
-        _DESCRIPTIONS[key] = description
-    return description

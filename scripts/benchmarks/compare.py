@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -66,10 +67,11 @@ def checked_out(spec: str) -> Iterator[Path]:
 def run_side(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One ``hostcall run`` of ``tree``'s code; the load generator's point."""
     loadgen = tree / "scripts" / "benchmarks" / "loadgen.py"
-    guest = (
-        f"exec {sys.executable} {loadgen} --server-pid $PPID --tools {args.tool}"
-        f" --inflight {args.inflight} --warmup {args.warmup} --duration {args.duration}"
-    )
+    point = ["--tools", args.tool, "--inflight", str(args.inflight)]
+    window = ["--warmup", str(args.warmup), "--duration", str(args.duration)]
+    command = shlex.join([sys.executable, str(loadgen), *point, *window])
+    # sh only to hand over its parent's pid, the supervisor's; exec keeps the guest's.
+    guest = f"exec {command} --server-pid $PPID"
     with tempfile.TemporaryDirectory(prefix="hostcall-compare-state-") as state:
         argv = [
             sys.executable,
