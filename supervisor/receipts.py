@@ -88,7 +88,8 @@ def make_receipt(
         "call_id": call_id,
         "tool": tool,
         "idempotency_key": idempotency_key,
-        "outcome": outcome,
+        # A plain str, not the enum: seal's fast path takes exact types only.
+        "outcome": str(outcome),
         "error_code": error_code,
         "result_sha256": result_sha256,
         "approval_id": approval_id,

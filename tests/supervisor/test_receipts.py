@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from supervisor import Supervisor
-from supervisor.receipts import seal
+from supervisor.receipts import ReceiptOutcome, make_receipt, seal
 from tests.harness import Ledger, billing_plan, driven_guest, hostcall_cli
 
 FIELDS = {
@@ -184,3 +184,33 @@ def test_seal_writes_the_line_of_json_dumps_and_the_hash_of_rfc8785(
     assert digest == hashlib.sha256(reference).hexdigest()
     expected = {**sealed, "hash": digest}
     assert line == json.dumps(expected, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+@pytest.mark.parametrize("outcome", list(ReceiptOutcome))
+def test_every_receipt_hostcall_makes_is_sealed_without_the_general_path(
+    outcome: ReceiptOutcome, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The general path (rfc8785's pure-Python encoder) costs ~100 µs per
+    # call; an enum outcome once sent every receipt down it unnoticed.
+    def general_path(value: Any) -> bytes:
+        raise AssertionError(f"sealed on the general path: {value!r}")
+
+    monkeypatch.setattr("supervisor.receipts.jcs", general_path)
+    receipt = make_receipt(
+        invocation_id="inv_1",
+        execution_id="exe_1",
+        plan_hash="ab" * 32,
+        call_id="c1",
+        tool="refund",
+        idempotency_key="cd" * 32,
+        outcome=outcome,
+        error_code=None,
+        result_sha256="ef" * 32,
+        approval_id=None,
+        started_at=1.5,
+        finished_at=2.25,
+    )
+    line, digest = seal(receipt, "0" * 64)
+    sealed = json.loads(line)
+    assert sealed["outcome"] == outcome.value
+    assert digest == hashlib.sha256(rfc8785.dumps({**receipt, "prev_hash": "0" * 64})).hexdigest()
