@@ -23,16 +23,30 @@ _encode: Final = json.JSONEncoder(
 compact_json: Final = json.JSONEncoder(separators=(",", ":")).encode
 
 
-def _is_simple(value: Any) -> bool:
-    """Whether ``value`` holds only what :mod:`json` serializes exactly as JCS does:
-    ASCII keys (sorted the same by code point and by UTF-16 unit), strings,
-    booleans, ``None`` and safe integers — no floats (JCS formats numbers as
-    ECMAScript does, which differs from Python's ``repr``).
+#: What :func:`_fast_form` finds: :mod:`json` cannot write it as JCS; it can;
+#: it can once integral floats are ints.
+_SLOW: Final = 0
+_AS_IS: Final = 1
+_WITH_INTS: Final = 2
+#: Floats ``repr`` writes as JCS (ECMAScript) does, when not integral: both
+#: write the shortest round-trip digits, and positionally in this range.
+_REPR_MIN: Final = 1e-4
+_REPR_MAX: Final = 1e16
+
+
+def _fast_form(value: Any) -> int:
+    """Whether ``value`` holds only what :mod:`json` serializes exactly as JCS
+    does: ASCII keys (sorted the same by code point and by UTF-16 unit),
+    strings, booleans, ``None``, safe integers, and floats whose ``repr`` is
+    ECMAScript's — in ``[1e-4, 1e16)`` or integral; an integral float is
+    written as an integer (JCS ``1`` where ``repr`` says ``1.0``), so its
+    presence asks for :data:`_WITH_INTS`.
 
     Exact types only (a subclass may serialize differently: it takes the
     reference path), walked with a stack: this runs for every call's
     arguments, result and receipt.
     """
+    form = _AS_IS
     stack = [value]
     pop, push, extend = stack.pop, stack.append, stack.extend
     while stack:
@@ -43,11 +57,20 @@ def _is_simple(value: Any) -> bool:
         if kind is int:
             if -_MAX_SAFE_INT <= item <= _MAX_SAFE_INT:
                 continue
-            return False
+            return _SLOW
+        if kind is float:
+            if item.is_integer():  # False for NaN and the infinities
+                if -_MAX_SAFE_INT <= item <= _MAX_SAFE_INT:
+                    form = _WITH_INTS
+                    continue
+                return _SLOW
+            if _REPR_MIN <= abs(item) < _REPR_MAX:
+                continue
+            return _SLOW
         if kind is dict:
             for key, inner in item.items():
                 if type(key) is not str or not key.isascii():
-                    return False
+                    return _SLOW
                 kind = type(inner)
                 if kind is str or inner is None or kind is bool:
                     continue  # the usual leaf, without a trip through the stack
@@ -55,24 +78,41 @@ def _is_simple(value: Any) -> bool:
         elif kind is list:
             extend(item)
         else:
-            return False
-    return True
+            return _SLOW
+    return form
+
+
+def _with_ints(value: Any) -> Any:
+    """``value`` with every integral float an int (only :func:`_fast_form`'s
+    values: exact dicts, lists, scalars)."""
+    kind = type(value)
+    if kind is float:
+        return int(value) if value.is_integer() else value
+    if kind is dict:
+        return {key: _with_ints(inner) for key, inner in value.items()}
+    if kind is list:
+        return [_with_ints(inner) for inner in value]
+    return value
 
 
 def jcs(value: Any) -> bytes:
     """Serialize ``value`` with the JSON Canonicalization Scheme (RFC 8785).
 
-    The common case (no floats, ASCII keys) takes :mod:`json`'s C encoder,
-    whose output is then byte-for-byte JCS (a property test checks it against
-    the ``rfc8785`` package); everything else goes through ``rfc8785``.
+    The common case (ASCII keys, everyday numbers) takes :mod:`json`'s C
+    encoder, whose output is then byte-for-byte JCS (a property test checks
+    it against the ``rfc8785`` package); everything else goes through
+    ``rfc8785``, several times slower.
 
     Raises:
         ValueError: ``value`` is not JSON (a set, a NaN, an integer past 2**53,
             a lone surrogate …).
     """
     try:
-        if _is_simple(value):
+        form = _fast_form(value)
+        if form == _AS_IS:
             return _encode(value).encode("utf-8")
+        if form == _WITH_INTS:
+            return _encode(_with_ints(value)).encode("utf-8")
         return rfc8785.dumps(value)
     except (rfc8785.CanonicalizationError, TypeError, UnicodeEncodeError, RecursionError) as exc:
         raise ValueError(f"not canonical JSON: {exc}") from exc
