@@ -67,9 +67,9 @@ def checked_out(spec: str) -> Iterator[Path]:
 def run_side(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One ``hostcall run`` of ``tree``'s code; the load generator's point."""
     loadgen = tree / "scripts" / "benchmarks" / "loadgen.py"
-    point = ["--tools", args.tool, "--inflight", str(args.inflight)]
+    options = ["--tools", args.tool, "--inflight", str(args.inflight)]
     window = ["--warmup", str(args.warmup), "--duration", str(args.duration)]
-    command = shlex.join([sys.executable, str(loadgen), *point, *window])
+    command = shlex.join([sys.executable, str(loadgen), *options, *window])
     # sh only to hand over its parent's pid, the supervisor's; exec keeps the guest's.
     guest = f"exec {command} --server-pid $PPID"
     with tempfile.TemporaryDirectory(prefix="hostcall-compare-state-") as state:
