@@ -268,3 +268,31 @@ def test_compare_runs_two_trees_side_by_side_and_reports_each_metric_per_pair(
         assert row["base_median"] > 0 and row["head_median"] > 0
         assert len(row["ratios"]) == 2 and row["ratio_median"] > 0
     assert "server_cpu_us_per_call" in completed.stdout
+
+
+@pytest.mark.parametrize("inflight", [1, 4])
+def test_the_store_alone_runs_both_transactions_of_each_call_and_times_them(
+    tmp_path: Path, inflight: int
+) -> None:
+    # scripts/benchmarks/store_alone.py (docs/benchmarks.md, the SQLite
+    # target's figures): a real SQLite store in tmp_path, a few calls.
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmarks" / "store_alone.py"),
+            *("--inflight", str(inflight), "--calls", "40", "--work-dir", str(tmp_path)),
+        ],
+        env=without_hostcall_env(),
+        capture_output=True,
+        text=True,
+        timeout=QUICK_RUN_TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stderr
+    first, *statements = completed.stdout.splitlines()
+    assert first.startswith(f"store alone, {inflight} in flight, 40 calls: ")
+    per_call = {line.split("µs each")[1].strip(): line.split()[0] for line in statements}
+    # Every call inserts its pending row and commits it, with its receipt journaled.
+    assert per_call["INSERT INTO effects"] == "1.00"
+    assert per_call["INSERT INTO receipt_journal"] == "1.00"
+    assert "COMMIT" in per_call
+    assert list(tmp_path.iterdir()) == []  # its scratch folder is gone
