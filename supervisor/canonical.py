@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 from typing import Any, Final
@@ -23,30 +24,40 @@ _encode: Final = json.JSONEncoder(
 compact_json: Final = json.JSONEncoder(separators=(",", ":")).encode
 
 
-#: What :func:`_fast_form` finds: :mod:`json` cannot write it as JCS; it can;
-#: it can once integral floats are ints.
-_SLOW: Final = 0
-_AS_IS: Final = 1
-_WITH_INTS: Final = 2
+class _Form(enum.Enum):
+    """How :func:`jcs` may write a value."""
+
+    #: Only the ``rfc8785`` package writes it as JCS.
+    SLOW = enum.auto()
+    #: :mod:`json`'s C encoder writes it as JCS.
+    AS_IS = enum.auto()
+    #: :mod:`json`'s C encoder writes it as JCS once integral floats are ints.
+    WITH_INTS = enum.auto()
+
+
 #: Floats ``repr`` writes as JCS (ECMAScript) does, when not integral: both
-#: write the shortest round-trip digits, and positionally in this range.
+#: write the shortest round-trip digits, the closest of them (ECMAScript
+#: recommends it and engines do it; ``repr`` always does), positionally in
+#: this range.
 _REPR_MIN: Final = 1e-4
 _REPR_MAX: Final = 1e16
 
 
-def _fast_form(value: Any) -> int:
-    """Whether ``value`` holds only what :mod:`json` serializes exactly as JCS
-    does: ASCII keys (sorted the same by code point and by UTF-16 unit),
+def _fast_form(value: Any) -> _Form:
+    """Whether :mod:`json` serializes ``value`` exactly as JCS does: it holds
+    only ASCII keys (sorted the same by code point and by UTF-16 unit),
     strings, booleans, ``None``, safe integers, and floats whose ``repr`` is
-    ECMAScript's — in ``[1e-4, 1e16)`` or integral; an integral float is
-    written as an integer (JCS ``1`` where ``repr`` says ``1.0``), so its
-    presence asks for :data:`_WITH_INTS`.
+    ECMAScript's — in ``[1e-4, 1e16)`` — or that are integral (JCS ``1``
+    where ``repr`` says ``1.0``: :attr:`_Form.WITH_INTS`).
 
     Exact types only (a subclass may serialize differently: it takes the
     reference path), walked with a stack: this runs for every call's
-    arguments, result and receipt.
+    arguments, result and receipt. A container met twice (shared, or a cycle
+    a handler's result may hold) takes the reference path too, which writes
+    a shared one twice and refuses a cycle.
     """
-    form = _AS_IS
+    form = _Form.AS_IS
+    seen: set[int] = set()
     stack = [value]
     pop, push, extend = stack.pop, stack.append, stack.extend
     while stack:
@@ -57,34 +68,37 @@ def _fast_form(value: Any) -> int:
         if kind is int:
             if -_MAX_SAFE_INT <= item <= _MAX_SAFE_INT:
                 continue
-            return _SLOW
+            return _Form.SLOW
         if kind is float:
             if item.is_integer():  # False for NaN and the infinities
                 if -_MAX_SAFE_INT <= item <= _MAX_SAFE_INT:
-                    form = _WITH_INTS
+                    form = _Form.WITH_INTS
                     continue
-                return _SLOW
+                return _Form.SLOW
             if _REPR_MIN <= abs(item) < _REPR_MAX:
                 continue
-            return _SLOW
-        if kind is dict:
-            for key, inner in item.items():
-                if type(key) is not str or not key.isascii():
-                    return _SLOW
-                kind = type(inner)
-                if kind is str or inner is None or kind is bool:
-                    continue  # the usual leaf, without a trip through the stack
-                push(inner)
-        elif kind is list:
+            return _Form.SLOW
+        if kind is not dict and kind is not list:
+            return _Form.SLOW
+        if id(item) in seen:
+            return _Form.SLOW
+        seen.add(id(item))
+        if kind is list:
             extend(item)
-        else:
-            return _SLOW
+            continue
+        for key, inner in item.items():
+            if type(key) is not str or not key.isascii():
+                return _Form.SLOW
+            kind = type(inner)
+            if kind is str or inner is None or kind is bool:
+                continue  # the usual leaf, without a trip through the stack
+            push(inner)
     return form
 
 
 def _with_ints(value: Any) -> Any:
-    """``value`` with every integral float an int (only :func:`_fast_form`'s
-    values: exact dicts, lists, scalars)."""
+    """``value`` with every integral float an int (a value :func:`_fast_form`
+    walked: exact dicts and lists, none met twice, and scalars)."""
     kind = type(value)
     if kind is float:
         return int(value) if value.is_integer() else value
@@ -109,10 +123,12 @@ def jcs(value: Any) -> bytes:
     """
     try:
         form = _fast_form(value)
-        if form == _AS_IS:
-            return _encode(value).encode("utf-8")
-        if form == _WITH_INTS:
-            return _encode(_with_ints(value)).encode("utf-8")
+        if form is not _Form.SLOW:
+            try:
+                plain = value if form is _Form.AS_IS else _with_ints(value)
+                return _encode(plain).encode("utf-8")
+            except RecursionError:
+                pass  # nested deeper than these recurse: rfc8785 decides
         return rfc8785.dumps(value)
     except (rfc8785.CanonicalizationError, TypeError, UnicodeEncodeError, RecursionError) as exc:
         raise ValueError(f"not canonical JSON: {exc}") from exc

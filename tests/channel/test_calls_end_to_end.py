@@ -6,8 +6,9 @@ Each test counts the handler's real executions in the ledger.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
-from supervisor import Supervisor
+from supervisor import Plan, Supervisor, tool
 from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan, driven_guest
 
 
@@ -178,3 +179,30 @@ async def test_fifty_concurrent_requests_with_one_call_id_run_the_handler_once(
             assert reply["body"]["reason"] == "in_flight"
     assert settled["body"]["effect"] == "replayed"
     assert ledger.runs["charge"] == 1
+
+
+async def test_a_cyclic_result_is_result_invalid_and_the_supervisor_serves_on(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    # A handler (host code, not the guest) returns a list that holds itself:
+    # the result check must refuse it, not walk it forever on the event loop.
+    @tool(reversibility="irreversible")
+    async def cyclic() -> Any:
+        ledger.record("cyclic")
+        looped: list[Any] = [1.5]
+        looped.append(looped)
+        return looped
+
+    @tool(reversibility="reversible")
+    async def echo(text: str) -> str:
+        return text
+
+    plan = Plan([cyclic, echo], name="cyclic-test")
+    async with driven_guest(sup, plan) as guest:
+        first = await guest.call("x1", "cyclic", {})
+        after = await guest.call("x2", "echo", {"text": "still here"})
+    assert first["status"] == 500
+    assert first["body"]["error"]["code"] == "result_invalid"
+    assert first["body"]["effect"] == "executed"
+    assert after["status"] == 200 and after["body"]["result"] == "still here"
+    assert ledger.runs["cyclic"] == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -125,3 +126,42 @@ def test_jcs_agrees_with_the_rfc8785_package_on_the_edges(value: Any) -> None:
             jcs(value)
     else:
         assert jcs(value) == expected
+
+
+@pytest.mark.parametrize("depth", [10, 497, 498, 700, 993, 994, 5000])
+@pytest.mark.parametrize("leaf", [1.0, 1, "x"])
+def test_jcs_agrees_with_the_rfc8785_package_however_deep(depth: int, leaf: Any) -> None:
+    # The fast path's walk has no depth limit, its encoder has: whatever
+    # the nesting, the answer is rfc8785's (its bytes, or its refusal).
+    for wrap in (lambda inner: [inner], lambda inner: {"a": inner}):
+        value: Any = leaf
+        for _ in range(depth):
+            value = wrap(value)
+        expected = _reference(value)
+        if expected is None:
+            with pytest.raises(ValueError, match="not canonical JSON"):
+                jcs(value)
+        else:
+            assert jcs(value) == expected
+
+
+def test_a_shared_container_is_written_twice_and_a_cycle_is_refused() -> None:
+    shared = {"amount": 10.0}
+    assert jcs([shared, shared]) == rfc8785.dumps([shared, shared])
+    cycle: list[Any] = [1.5]
+    cycle.append(cycle)
+    # A handler's result may be cyclic: refused, not walked forever (on a
+    # thread, so that a regression fails here instead of hanging the suite).
+    outcome: list[BaseException | bytes] = []
+
+    def attempt() -> None:
+        try:
+            outcome.append(jcs({"result": cycle}))
+        except ValueError as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "jcs walked a cycle without end"
+    assert isinstance(outcome[0], ValueError)
