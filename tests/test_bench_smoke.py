@@ -242,25 +242,30 @@ def test_the_busy_part_runs_each_target_idle_and_with_a_core_burnt(
     assert "idle against busy" in stdout
 
 
-def test_compare_runs_two_trees_side_by_side_and_reports_each_metric_per_pair(
-    tmp_path: Path,
-) -> None:
-    # The tool that A/Bs two versions (docs/benchmarks.md): this tree against
-    # itself, two pairs, a short window; only the shape is checked.
-    out = tmp_path / "compare.json"
+def _run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``scripts/benchmarks/NAME ARGS`` to completion; it must succeed."""
     completed = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "benchmarks" / "compare.py"),
-            *("--base", str(ROOT), "--head", str(ROOT), "--pairs", "2"),
-            *("--warmup", "0.1", "--duration", "0.3", "--json", str(out)),
-        ],
+        [sys.executable, str(ROOT / "scripts" / "benchmarks" / name), *args],
         env=without_hostcall_env(),
         capture_output=True,
         text=True,
         timeout=QUICK_RUN_TIMEOUT_S,
     )
     assert completed.returncode == 0, completed.stderr
+    return completed
+
+
+def test_compare_runs_two_trees_side_by_side_and_reports_each_metric_per_pair(
+    tmp_path: Path,
+) -> None:
+    # The tool that A/Bs two versions (docs/benchmarks.md): this tree against
+    # itself, two pairs, a short window; only the shape is checked.
+    out = tmp_path / "compare.json"
+    completed = _run_script(
+        "compare.py",
+        *("--base", str(ROOT), "--head", str(ROOT), "--pairs", "2"),
+        *("--warmup", "0.1", "--duration", "0.3", "--json", str(out)),
+    )
     result = json.loads(out.read_text())
     assert (result["store"], result["inflight"], result["pairs"]) == ("memory", 1, 2)
     for metric in ("calls_per_s", "p50_us", "p99_us", "server_cpu_us_per_call"):
@@ -276,18 +281,10 @@ def test_the_store_alone_runs_both_transactions_of_each_call_and_times_them(
 ) -> None:
     # scripts/benchmarks/store_alone.py (docs/benchmarks.md, the SQLite
     # target's figures): a real SQLite store in tmp_path, a few calls.
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "benchmarks" / "store_alone.py"),
-            *("--inflight", str(inflight), "--calls", "40", "--work-dir", str(tmp_path)),
-        ],
-        env=without_hostcall_env(),
-        capture_output=True,
-        text=True,
-        timeout=QUICK_RUN_TIMEOUT_S,
+    completed = _run_script(
+        "store_alone.py",
+        *("--inflight", str(inflight), "--calls", "40", "--work-dir", str(tmp_path)),
     )
-    assert completed.returncode == 0, completed.stderr
     first, *statements = completed.stdout.splitlines()
     assert first.startswith(f"store alone, {inflight} in flight, 40 calls: ")
     per_call = {line.split("µs each")[1].strip(): line.split()[0] for line in statements}
