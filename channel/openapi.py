@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from channel.errors import ERROR_STATUS
-from channel.wire import CALL_ID_PATTERN
+from channel.wire import CALL_ID_PATTERN, MAX_TOOL_NAME
 
 __all__ = ["OPENAPI_PATH", "OPERATION_CODES", "document", "document_bytes"]
 
@@ -99,7 +99,7 @@ def _schemas() -> dict[str, Any]:
             "additionalProperties": False,
             "properties": {
                 "call_id": _ref("CallId"),
-                "tool": {"type": "string"},
+                "tool": {"type": "string", "minLength": 1, "maxLength": MAX_TOOL_NAME},
                 "args": {
                     "type": "object",
                     "description": "The tool's arguments; checked against its input_schema.",

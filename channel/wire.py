@@ -8,6 +8,7 @@ that refuses unknown top-level fields.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -19,15 +20,20 @@ from channel.ids import CALL_ID_PATTERN, is_valid_id
 
 __all__ = [
     "CALL_ID_PATTERN",
+    "MAX_TOOL_NAME",
     "CallReply",
     "CallRequest",
     "Effect",
     "ReplyStatus",
     "compact_json",
+    "is_tool_name",
     "is_valid_id",
     "parse_call_request",
     "parse_strict_json",
 ]
+
+#: The longest tool name a request (or a plan) may use.
+MAX_TOOL_NAME: Final = 256
 
 Effect = Literal["executed", "replayed", "none", "unknown", "failed"]
 ReplyStatus = Literal["ok", "ambiguous", "refused", "error", "awaiting_approval"]
@@ -46,17 +52,29 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    # json parses 1e400 to inf without asking parse_constant: refuse it as
+    # Infinity (an idempotency key must not make inf and null one input).
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text[:32]} is not a finite number")
+    return value
+
+
 # Made once, not per call as json.loads/json.dumps with options do: both are
 # reentrant, and every request and reply goes through them.
 _strict_decode: Final = json.JSONDecoder(
-    object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant
+    object_pairs_hook=_refuse_duplicates,
+    parse_constant=_refuse_constant,
+    parse_float=_finite_float,
 ).decode
 #: ``json.dumps(value, separators=(",", ":"))``: ASCII-only compact JSON.
 compact_json: Final = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def parse_strict_json(raw: bytes) -> Any:
-    """Parse RFC 8259 JSON, refusing duplicate keys and NaN/Infinity.
+    """Parse RFC 8259 JSON, refusing duplicate keys and NaN/Infinity (also
+    as a number too large for a double, such as ``1e400``).
 
     Raises:
         Refusal: ``bad_request`` when the bytes are not strict JSON.
@@ -98,7 +116,22 @@ def parse_call_request(raw: bytes) -> CallRequest:
         raise Refusal("bad_request", f"malformed call: {problems}") from None
     if not is_valid_id(request.call_id):
         raise Refusal("bad_request", "call_id must be 1-128 characters of [A-Za-z0-9._:-]")
+    if not is_tool_name(request.tool):
+        # It is echoed in the reply, the receipt and the console: bounded text.
+        raise Refusal("bad_request", f"tool must be 1-{MAX_TOOL_NAME} characters of text")
     return request
+
+
+def is_tool_name(name: str) -> bool:
+    """Whether ``name`` can name a tool: 1 to :data:`MAX_TOOL_NAME` characters
+    of text (no lone surrogates, so it can be written as UTF-8)."""
+    if not 0 < len(name) <= MAX_TOOL_NAME:
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from typing import Any, Final, Literal, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
 
+from channel.wire import MAX_TOOL_NAME, is_tool_name
 from supervisor.errors import EffectOutcomeUnknown, PlanError, Refusal
 
 __all__ = [
@@ -37,6 +38,9 @@ Reversibility = Literal["reversible", "costly", "irreversible"]
 Approval = Literal["never", "always"]
 
 DEFAULT_TIMEOUT_S: Final = 300.0
+#: The most problems an ``invalid_arguments`` refusal lists (the last one
+#: then says how many more there were).
+MAX_DETAILS: Final = 100
 DEFAULT_AMBIGUOUS_ERRORS: Final[tuple[type[BaseException], ...]] = (
     TimeoutError,
     ConnectionResetError,
@@ -224,6 +228,8 @@ class Tool:
         name = pick("name", getattr(handler, "__name__", None))
         if not isinstance(name, str) or not name:
             raise PlanError(f"tool handler {handler!r} needs a name")
+        if not is_tool_name(name):  # a request could not name it
+            raise PlanError(f"tool {name[:64]!r}: a name is 1-{MAX_TOOL_NAME} characters of text")
         path = handler_path or f"{handler.__module__}:{handler.__qualname__}"
         doc = inspect.getdoc(handler) or ""
         input_model, model_argument = _input_model(name, handler, pick("input_model", None))
@@ -288,10 +294,10 @@ class Tool:
         try:
             model = self.input_model.model_validate(args)
         except ValidationError as exc:
-            details = [
-                {"loc": list(err["loc"]), "msg": err["msg"]}
-                for err in exc.errors(include_url=False, include_context=False)
-            ]
+            errors = exc.errors(include_url=False, include_context=False)
+            details = [{"loc": list(err["loc"]), "msg": err["msg"]} for err in errors[:MAX_DETAILS]]
+            if len(errors) > MAX_DETAILS:  # one body can hold 100,000s: the reply stays small
+                details[-1] = {"loc": [], "msg": f"and {len(errors) - MAX_DETAILS + 1} more"}
             raise Refusal(
                 "invalid_arguments", f"arguments do not match {self.name}'s input", details=details
             ) from None

@@ -38,6 +38,19 @@ GOOD_ARGS = '{"account": "acct_1", "cents": 5}'
             '{"call_id": "c1", "tool": "charge", "args": {"account": "a", "cents": Infinity}}',
             "bad_request",
         ),
+        # Past a double's range json parses to inf without a word: Infinity too.
+        (
+            '{"call_id": "c1", "tool": "charge", "args": {"account": "a", "cents": 1e400}}',
+            "bad_request",
+        ),
+        (
+            '{"call_id": "c1", "tool": "charge", "args": {"account": "a", "cents": [-1E999]}}',
+            "bad_request",
+        ),
+        # The tool name is echoed (reply, receipt, console): 1-256 characters of text.
+        ('{"call_id": "c1", "tool": "", "args": {}}', "bad_request"),
+        ('{"call_id": "c1", "tool": "' + "x" * 257 + '", "args": {}}', "bad_request"),
+        ('{"call_id": "c1", "tool": "\\ud800", "args": {}}', "bad_request"),
         ('{"call_id": "c1", "tool": "charge", "args": [1, 2]}', "bad_request"),
         ('{"call_id": "c1", "tool": "charge", "args": "x"}', "bad_request"),
         ('{"call_id": "c1", "tool": "charge"}', "bad_request"),
@@ -64,6 +77,18 @@ async def test_a_malformed_call_is_refused_with_its_code_and_nothing_is_recorded
     assert reply["status"] == {"bad_request": 400, "invalid_arguments": 422}[code]
     assert reply["body"]["effect"] == "none"
     assert records == []
+    assert ledger.runs == {}
+
+
+@pytest.mark.parametrize("tool", ["x" * 256, "ch\u00e4rge", "\U0001f600"])
+async def test_a_well_formed_tool_the_plan_lacks_is_not_allowed_and_echoed_as_sent(
+    sup: Supervisor, ledger: Ledger, tool: str
+) -> None:
+    async with driven_guest(sup, billing_plan(ledger)) as guest:
+        reply = await guest.request(body={"call_id": "c1", "tool": tool, "args": {}})
+    assert reply["status"] == 403
+    assert reply["body"]["error"]["code"] == "tool_not_allowed"
+    assert reply["body"]["tool"] == tool
     assert ledger.runs == {}
 
 
@@ -131,6 +156,23 @@ async def test_arguments_that_fail_the_schema_get_422_with_one_detail_per_proble
     assert set(by_loc) == {("account",), ("cents",), ("extra",)}
     assert all(isinstance(msg, str) and msg for msg in by_loc.values())
     assert records == []
+    assert ledger.runs == {}
+
+
+async def test_a_call_with_thousands_of_problems_lists_the_first_hundred(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    # One 1 MiB body can hold 100,000s of problems: the reply lists 99 and
+    # how many more, instead of growing to tens of megabytes.
+    extra = {f"k{n}": 1 for n in range(5000)}
+    async with driven_guest(sup, billing_plan(ledger)) as guest:
+        reply = await guest.call("c1", "charge", extra)
+    assert reply["status"] == 422
+    details = reply["body"]["error"]["details"]
+    assert len(details) == 100
+    assert all(d["loc"] and d["msg"] for d in details[:99])
+    # 5,000 unknown fields, and account and cents missing.
+    assert details[-1] == {"loc": [], "msg": "and 4903 more"}
     assert ledger.runs == {}
 
 

@@ -696,3 +696,22 @@ def test_plan_load_with_no_tools_gives_an_empty_plan_with_defaults(plan_dir: Pla
     assert dict(plan.tools) == {}
     assert plan.budget.max_calls is None
     assert plan.approval_timeout_s == 300.0
+
+
+@pytest.mark.parametrize("name", ["x" * 257, "bad\ud800name"])
+def test_a_tool_name_no_request_could_send_is_refused_when_the_plan_is_built(name: str) -> None:
+    # A request's tool is 1-256 characters of text (docs/protocol.md): a
+    # plan tool outside that could never be called.
+    def handler() -> int:
+        return 1
+
+    with pytest.raises(PlanError, match="1-256 characters of text"):
+        Plan([tool(reversibility="reversible", name=name)(handler)])
+
+
+def test_a_tool_name_of_256_characters_is_a_name() -> None:
+    def handler() -> int:
+        return 1
+
+    plan = Plan([tool(reversibility="reversible", name="t" * 256)(handler)])
+    assert list(plan.tools) == ["t" * 256]
