@@ -418,7 +418,9 @@ class Broker:
             await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
             reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
             return _Outcome(reply, ReceiptOutcome.UNKNOWN, approval_id=approval_id)
-        except Exception as exc:  # boundary: any other handler error leaves no effect
+        except (Exception, SystemExit) as exc:  # boundary: any other handler error
+            # leaves no effect; SystemExit too (argparse on bad input, sys.exit):
+            # a handler must not stop the supervisor.
             logger.warning(
                 "call %s: %s raised %s: %s",
                 call.call_id,
@@ -439,7 +441,10 @@ class Broker:
             )
             return _Outcome(reply, ReceiptOutcome.FAILED, approval_id=approval_id)
         crash_point("after_handler")
-        result, digest, problem = _checked_result(tool, raw)
+        try:
+            result, digest, problem = _checked_result(tool, raw)
+        except Exception as exc:  # boundary: a result's own code (a dict subclass …) failed
+            result, digest, problem = None, None, f"the result cannot be checked: {exc!r}"[:500]
         if problem is None:
             reply = CallReply(
                 "ok",
@@ -477,6 +482,13 @@ class Broker:
             # It ran, but we could not record it: the row stays pending and
             # becomes unknown at the next start. Never claim it did not run.
             logger.error("call %s ran but could not be committed: %s", call.call_id, exc)
+            reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
+            return _Outcome(reply, ReceiptOutcome.UNKNOWN, approval_id=approval_id)
+        except Exception as exc:  # boundary: e.g. a reply the store cannot serialize
+            # Nothing was committed (the store's own errors are StoreUnavailable):
+            # the row is pending; mark it unknown now, not at the next start.
+            logger.error("call %s ran but could not be committed: %r", call.call_id, exc)
+            await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
             reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
             return _Outcome(reply, ReceiptOutcome.UNKNOWN, approval_id=approval_id)
         crash_point("before_reply")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from supervisor import Plan, Supervisor, tool
 from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan, driven_guest
 
@@ -206,3 +208,111 @@ async def test_a_cyclic_result_is_result_invalid_and_the_supervisor_serves_on(
     assert first["body"]["effect"] == "executed"
     assert after["status"] == 200 and after["body"]["result"] == "still here"
     assert ledger.runs["cyclic"] == 1
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_handler_that_raises_system_exit_is_a_tool_error_not_the_end(
+    sup: Supervisor, ledger: Ledger, kind: str
+) -> None:
+    # argparse on a guest's input calls sys.exit(2): that must not stop the
+    # supervisor (nor leave the record pending).
+    def exits() -> int:
+        ledger.record("exits")
+        raise SystemExit(2)
+
+    async def exits_async() -> int:
+        return exits()
+
+    handler = tool(reversibility="irreversible", name="exits")(
+        exits if kind == "sync" else exits_async
+    )
+
+    @tool(reversibility="reversible")
+    async def echo(text: str) -> str:
+        return text
+
+    plan = Plan([handler, echo], name="exits-test")
+    async with driven_guest(sup, plan) as guest:
+        first = await guest.call("x1", "exits", {})
+        after = await guest.call("x2", "echo", {"text": "still here"})
+        records = await sup.store.calls(guest.execution.invocation_id)
+    assert first["body"]["error"]["code"] == "tool_error"
+    assert first["body"]["error"]["type"] == "SystemExit"
+    assert first["body"]["effect"] == "failed"
+    assert after["status"] == 200 and after["body"]["result"] == "still here"
+    assert [r.call_id for r in records] == ["x2"]  # the failed call was released
+    assert ledger.runs["exits"] == 1
+
+
+class _Unreadable(dict[str, Any]):
+    """A result whose own code fails when it is read (dict() asks keys())."""
+
+    def __iter__(self) -> Any:
+        return iter(self.keys())
+
+    def keys(self) -> Any:
+        raise RuntimeError("unreadable")
+
+
+class _ReadableOnce(dict[str, Any]):
+    """A result that can be checked, then not serialized to be recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(ok=True)
+        self.reads = 0
+
+    def __iter__(self) -> Any:
+        return iter(self.keys())
+
+    def keys(self) -> Any:
+        return self._read().keys()
+
+    def items(self) -> Any:
+        return self._read().items()
+
+    def _read(self) -> dict[str, Any]:
+        self.reads += 1
+        if self.reads > 1:
+            raise RuntimeError("gone")
+        return dict(super().items())
+
+
+async def test_a_result_whose_own_code_fails_is_result_invalid_and_replayed(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    @tool(reversibility="irreversible")
+    async def odd() -> Any:
+        ledger.record("odd")
+        return _Unreadable(x=1)
+
+    async with driven_guest(sup, Plan([odd], name="odd-test")) as guest:
+        first = await guest.call("x1", "odd", {})
+        again = await guest.call("x1", "odd", {})
+    assert first["status"] == 500
+    assert first["body"]["error"]["code"] == "result_invalid"
+    assert first["body"]["effect"] == "executed"
+    assert again["body"]["error"]["code"] == "result_invalid"
+    assert again["body"]["effect"] == "replayed"
+    assert ledger.runs["odd"] == 1
+
+
+async def test_a_call_that_ran_but_cannot_be_recorded_is_unknown_not_pending(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    # The handler ran; recording its reply failed with no store error: the
+    # record must say unknown now (a retry: ambiguous, never a second run),
+    # not stay pending until the next start.
+    @tool(reversibility="irreversible")
+    async def fragile() -> Any:
+        ledger.record("fragile")
+        return _ReadableOnce()
+
+    async with driven_guest(sup, Plan([fragile], name="fragile-test")) as guest:
+        first = await guest.call("x1", "fragile", {})
+        again = await guest.call("x1", "fragile", {})
+        records = await sup.store.calls(guest.execution.invocation_id)
+    assert first["status"] == 409
+    assert (first["body"]["reason"], first["body"]["effect"]) == ("unknown", "unknown")
+    assert again["status"] == 409 and again["body"]["reason"] == "unknown"
+    assert [r.status.value for r in records] == ["unknown"]
+    assert ledger.runs["fragile"] == 1
