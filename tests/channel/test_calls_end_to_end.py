@@ -183,6 +183,12 @@ async def test_fifty_concurrent_requests_with_one_call_id_run_the_handler_once(
     assert ledger.runs["charge"] == 1
 
 
+@tool(reversibility="reversible", name="echo")
+async def _echo(text: str) -> str:
+    """The call that shows the supervisor still serves after an odd handler."""
+    return text
+
+
 async def test_a_cyclic_result_is_result_invalid_and_the_supervisor_serves_on(
     sup: Supervisor, ledger: Ledger
 ) -> None:
@@ -195,11 +201,7 @@ async def test_a_cyclic_result_is_result_invalid_and_the_supervisor_serves_on(
         looped.append(looped)
         return looped
 
-    @tool(reversibility="reversible")
-    async def echo(text: str) -> str:
-        return text
-
-    plan = Plan([cyclic, echo], name="cyclic-test")
+    plan = Plan([cyclic, _echo], name="cyclic-test")
     async with driven_guest(sup, plan) as guest:
         first = await guest.call("x1", "cyclic", {})
         after = await guest.call("x2", "echo", {"text": "still here"})
@@ -227,11 +229,7 @@ async def test_a_handler_that_raises_system_exit_is_a_tool_error_not_the_end(
         exits if kind == "sync" else exits_async
     )
 
-    @tool(reversibility="reversible")
-    async def echo(text: str) -> str:
-        return text
-
-    plan = Plan([handler, echo], name="exits-test")
+    plan = Plan([handler, _echo], name="exits-test")
     async with driven_guest(sup, plan) as guest:
         first = await guest.call("x1", "exits", {})
         after = await guest.call("x2", "echo", {"text": "still here"})
