@@ -33,7 +33,13 @@ from supervisor.admission import (
     target_refusal,
 )
 from supervisor.approvals import ApprovalGate, ApprovalTicket, ProposalRequest
-from supervisor.canonical import idempotency_key_sized, jcs, sha256_hex
+from supervisor.canonical import (
+    MAX_NESTING,
+    idempotency_key_sized,
+    jcs,
+    nested_deeper_than,
+    sha256_hex,
+)
 from supervisor.errors import Refusal, StoreUnavailable
 from supervisor.faults import crash_point
 from supervisor.metrics import Metrics
@@ -596,6 +602,10 @@ def _checked_result(tool: Tool, raw: Any) -> tuple[Any, str | None, str | None]:
             )
         except (ValidationError, ValueError, TypeError) as exc:
             return None, None, f"the result does not match {tool.name}'s output schema: {exc}"
+    if nested_deeper_than(result, MAX_NESTING):
+        # Deeper, it could pass here and fail to be written or replayed later,
+        # where the stack is deeper: a committed call answered with a 500.
+        return None, None, f"the result is not JSON: nested more than {MAX_NESTING} levels"
     try:
         canonical = jcs(result)
     except ValueError as exc:

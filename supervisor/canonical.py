@@ -9,7 +9,15 @@ from typing import Any, Final
 
 import rfc8785
 
-__all__ = ["compact_json", "idempotency_key", "idempotency_key_sized", "jcs", "sha256_hex"]
+__all__ = [
+    "MAX_NESTING",
+    "compact_json",
+    "idempotency_key",
+    "idempotency_key_sized",
+    "jcs",
+    "nested_deeper_than",
+    "sha256_hex",
+]
 
 #: JCS numbers are IEEE doubles: integers beyond this lose precision.
 _MAX_SAFE_INT: Final = 2**53 - 1
@@ -107,6 +115,37 @@ def _with_ints(value: Any) -> Any:
     if kind is list:
         return [_with_ints(inner) for inner in value]
     return value
+
+
+#: The deepest nesting of arrays and objects a result may have: pydantic's own
+#: serialization limit (arguments of JSON-typed tools stop there too). Well
+#: inside the interpreter's recursion limit, so a result accepted once is
+#: written, stored, read back and hashed again on any later path.
+MAX_NESTING: Final = 255
+
+
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` holds arrays or objects more than ``limit`` levels deep.
+
+    Walked a level at a time, so the answer never depends on how deep the
+    caller's own stack is, and a value that holds itself is simply too deep.
+    """
+    level = [value]
+    for _ in range(limit + 1):  # the items of ``level`` are inside that many containers
+        inner: list[Any] = []
+        extend = inner.extend
+        containers = False
+        for item in level:
+            if isinstance(item, dict):
+                containers = True
+                extend(item.values())
+            elif isinstance(item, (list, tuple)):
+                containers = True
+                extend(item)
+        if not containers:
+            return False
+        level = inner
+    return True
 
 
 def jcs(value: Any) -> bytes:

@@ -6,11 +6,13 @@ Each test counts the handler's real executions in the ledger.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from supervisor import Plan, Supervisor, tool
+from supervisor.canonical import MAX_NESTING
 from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan, driven_guest
 
 
@@ -314,3 +316,50 @@ async def test_a_call_that_ran_but_cannot_be_recorded_is_unknown_not_pending(
     assert again["status"] == 409 and again["body"]["reason"] == "unknown"
     assert [r.status.value for r in records] == ["unknown"]
     assert ledger.runs["fragile"] == 1
+
+
+def _nested(depth: int) -> Any:
+    """``[[...[1]...]]``: ``depth`` arrays, one inside the other."""
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("store", ["memory", "sqlite"])
+@pytest.mark.parametrize(
+    ("depth", "accepted"), [(MAX_NESTING, True), (MAX_NESTING + 1, False), (940, False)]
+)
+async def test_a_result_nested_too_deep_is_invalid_and_every_retry_gets_the_same_answer(
+    tmp_path: Path, ledger: Ledger, store: str, depth: int, accepted: bool
+) -> None:
+    # 940 deep passed the check where the handler returns, then its retry (one
+    # stack frame deeper or so) failed with a 500 internal_error: a committed
+    # call without its stored answer. Past the bound it is result_invalid,
+    # and whatever is accepted is replayed and looked up like any other.
+    @tool(reversibility="irreversible")
+    async def deep() -> Any:
+        ledger.record("deep")
+        return _nested(depth)
+
+    plan = Plan([deep], name="deep-test")
+    async with (
+        Supervisor(tmp_path / "state", store=store) as sup,
+        driven_guest(sup, plan) as guest,
+    ):
+        first = await guest.call("x1", "deep", {})
+        again = await guest.call("x1", "deep", {})
+        looked_up = await guest.request(method="GET", path="/v1/calls/x1")
+    if accepted:
+        assert first["status"] == 200 and first["body"]["result"] == _nested(depth)
+        assert again["status"] == 200 and again["body"]["effect"] == "replayed"
+        assert again["body"]["result"] == first["body"]["result"]
+    else:
+        assert first["status"] == 500
+        assert first["body"]["error"]["code"] == "result_invalid"
+        assert f"nested more than {MAX_NESTING} levels" in first["body"]["error"]["message"]
+        assert again["status"] == 500 and again["body"]["effect"] == "replayed"
+        assert again["body"]["error"] == first["body"]["error"]
+    assert looked_up["status"] == first["status"]
+    assert looked_up["body"]["effect"] == "replayed"
+    assert ledger.runs["deep"] == 1

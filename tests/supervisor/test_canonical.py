@@ -10,7 +10,7 @@ import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.canonical import jcs
+from supervisor.canonical import jcs, nested_deeper_than
 
 _scalars = (
     st.none()
@@ -154,3 +154,27 @@ def test_a_shared_container_is_written_twice_and_a_cycle_is_refused() -> None:
     worker.join(timeout=30)
     assert not worker.is_alive(), "jcs walked a cycle without end"
     assert isinstance(outcome[0], ValueError)
+
+
+@pytest.mark.parametrize(
+    ("value", "levels"),
+    [
+        (1, 0),
+        ([], 1),
+        ({"a": 1}, 1),
+        ([[]], 2),
+        ({"a": {"b": [{}]}}, 4),
+        ([1, {"a": [2, ("t", [3])]}], 5),  # tuples are arrays to json
+        ({"wide": list(range(1000)), "deep": [[[1]]]}, 4),
+    ],
+)
+def test_nesting_is_the_deepest_chain_of_arrays_and_objects(value: Any, levels: int) -> None:
+    assert not nested_deeper_than(value, levels)
+    if levels:
+        assert nested_deeper_than(value, levels - 1)
+
+
+def test_a_value_that_holds_itself_is_too_deep_for_any_bound() -> None:
+    cycle: list[Any] = []
+    cycle.append(cycle)
+    assert nested_deeper_than(cycle, 10_000)
