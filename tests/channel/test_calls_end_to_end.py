@@ -13,7 +13,7 @@ import pytest
 
 from supervisor import Plan, Supervisor, tool
 from supervisor.canonical import MAX_NESTING
-from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan, driven_guest
+from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan, driven_guest, wait_until
 
 
 async def test_a_new_call_runs_once_and_its_retry_replays_the_stored_result(
@@ -363,3 +363,46 @@ async def test_a_result_nested_too_deep_is_invalid_and_every_retry_gets_the_same
     assert looked_up["status"] == first["status"]
     assert looked_up["body"]["effect"] == "replayed"
     assert ledger.runs["deep"] == 1
+
+
+def _open_channel_connections(sup: Supervisor) -> int:
+    channel = sup._channel  # what the test waits on: the server saw the hang-up
+    assert channel is not None
+    return channel.open_connections
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_guest_that_hangs_up_mid_call_does_not_cancel_the_handler(
+    sup: Supervisor, ledger: Ledger, kind: str
+) -> None:
+    # docs/guarantees.md: a guest that disconnects never cancels a dispatched
+    # handler; the result is committed and a retry gets it. A cancelled
+    # handler would leave the record unknown, and the retry ambiguous.
+    def slow(account: str) -> str:
+        ledger.record("slow")
+        ledger.started.set()
+        if not ledger.release.wait(STEP_TIMEOUT_S):
+            raise RuntimeError("the test never released the handler")
+        return f"done_{account}"
+
+    async def slow_async(account: str) -> str:
+        return await asyncio.to_thread(slow, account)
+
+    handler = tool(reversibility="irreversible", name="slow")(
+        slow if kind == "sync" else slow_async
+    )
+    body = {"call_id": "h1", "tool": "slow", "args": {"account": "a"}}
+    async with driven_guest(sup, Plan([handler], name="hang-up-test")) as guest:
+        assert (await guest.send({"op": "send_only", "name": "h1", "body": body}))["sent"]
+        assert await asyncio.to_thread(ledger.started.wait, STEP_TIMEOUT_S)
+        assert (await guest.send({"op": "hang_up", "name": "h1"}))["closed"]
+        await wait_until(lambda: _open_channel_connections(sup) == 0, "the hang-up was seen")
+        ledger.release.set()
+        looked_up = await guest.request(method="GET", path="/v1/calls/h1?wait=30")
+        retry = await guest.call("h1", "slow", {"account": "a"})
+        records = await sup.store.calls(guest.execution.invocation_id)
+    assert looked_up["status"] == 200 and looked_up["body"]["result"] == "done_a"
+    assert retry["status"] == 200 and retry["body"]["effect"] == "replayed"
+    assert retry["body"]["result"] == "done_a"
+    assert [r.status.value for r in records] == ["committed"]
+    assert ledger.runs["slow"] == 1

@@ -12,6 +12,8 @@ JSON line carrying the command's ``id``:
     {"id": 3, "op": "spawn_child", "request": {...}}       # made by a grandchild
     {"op": "credential"} / {"op": "pid"} / {"op": "exit", "code": 0}
     {"op": "print", "text": "..."}                         # a line on stderr
+    {"op": "send_only", "name": "a", "body": {...}}  # POST /v1/calls, answer unread
+    {"op": "hang_up", "name": "a"}     # close that connection, its answer unread
 """
 
 from __future__ import annotations
@@ -77,6 +79,33 @@ def request(spec: dict[str, Any]) -> dict[str, Any]:
     return {"status": response.status, "body": parsed}
 
 
+#: Connections whose request was sent and whose answer nobody reads.
+_UNREAD: dict[str, socket.socket] = {}
+
+
+def send_only(spec: dict[str, Any]) -> dict[str, Any]:
+    """Send a whole ``POST /v1/calls`` and keep the connection, unread."""
+    body = json.dumps(spec["body"]).encode()
+    head = [
+        "POST /v1/calls HTTP/1.1",
+        "Host: localhost",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *(f"{name}: {value}" for name, value in IDENTITY.items()),
+    ]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(60)
+    sock.connect(SOCKET)
+    sock.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + body)
+    _UNREAD[spec["name"]] = sock
+    return {"sent": True}
+
+
+def hang_up(name: str) -> dict[str, Any]:
+    _UNREAD.pop(name).close()
+    return {"closed": True}
+
+
 def burst(n: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = [{} for _ in range(n)]
     barrier = threading.Barrier(n)
@@ -118,6 +147,10 @@ def handle(command: dict[str, Any]) -> None:
     op = command["op"]
     if op == "request":
         answer = request(command)
+    elif op == "send_only":
+        answer = send_only(command)
+    elif op == "hang_up":
+        answer = hang_up(command["name"])
     elif op == "burst":
         answer = {"responses": burst(command["n"], command["request"])}
     elif op == "spawn_child":
