@@ -139,7 +139,14 @@ class ChannelServer:
         if mode & 0o077:
             raise RuntimeError(f"socket directory {parent} must be mode 0700, is {mode:04o}")
         self.socket_path.unlink(missing_ok=True)
-        runner = web.AppRunner(self._app(), handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S)
+        runner = web.AppRunner(
+            self._app(),
+            handle_signals=False,
+            shutdown_timeout=SHUTDOWN_GRACE_S,
+            # A guest that hangs up must not cancel the request: a dispatched
+            # handler runs in it (docs/guarantees.md, "Disconnect = cancel").
+            handler_cancellation=False,
+        )
         await runner.setup()
         self._runner = runner
         server = runner.server

@@ -124,7 +124,8 @@ class Broker:
     #: Calls of this execution by receipt outcome.
     outcomes: Counter[str] = field(default_factory=Counter)
     _admissions: dict[str, _Admission] = field(default_factory=dict)
-    _dispatched: dict[str, asyncio.Task[_Outcome]] = field(default_factory=dict)
+    #: Calls past BeginDispatch, done when their outcome is recorded (long polls wait).
+    _dispatched: dict[str, asyncio.Future[None]] = field(default_factory=dict)
 
     # -- the channel's port -------------------------------------------------
 
@@ -212,9 +213,9 @@ class Broker:
                 return _not_found(call_id)
             if record.status is not EffectStatus.PENDING or time.monotonic() >= deadline:
                 return _reply_for_record(record)
-            task = self._dispatched.get(call_id)
-            if task is not None:
-                await _wait(task, deadline)
+            done = self._dispatched.get(call_id)
+            if done is not None:
+                await _wait(done, deadline)
             else:  # dispatched by an earlier execution or another process
                 await asyncio.sleep(min(POLL_INTERVAL_S, max(0.0, deadline - time.monotonic())))
 
@@ -274,13 +275,21 @@ class Broker:
             admission.settled.set_result(outcome.reply)
             return outcome
         admission.settled.set_result(None)
+        # In this request's own task, no task of its own: a guest that hangs up
+        # never cancels it (the channel turns aiohttp's handler cancellation
+        # off); only a shutdown does, and _dispatch records that as unknown.
+        done = asyncio.get_running_loop().create_future()
+        self._dispatched[call.call_id] = done
         if self.metrics is not None:
             self.metrics.in_flight.inc()
-        task = asyncio.create_task(self._dispatch(call, outcome))
-        self._dispatched[call.call_id] = task
-        task.add_done_callback(lambda _: self._dispatch_done(call.call_id))
-        # Shielded: a guest that disconnects never cancels a dispatched handler.
-        return await asyncio.shield(task)
+        try:
+            return await self._dispatch(call, outcome)
+        finally:
+            done.set_result(None)
+            if self._dispatched.get(call.call_id) is done:
+                del self._dispatched[call.call_id]
+            if self.metrics is not None:
+                self.metrics.in_flight.dec()
 
     def _start(self, call: _Call) -> StartCall:
         return StartCall(
@@ -360,11 +369,6 @@ class Broker:
             return early
         # Only a charge can lose without a record to answer from: it did not fit.
         raise budget_refusal("deadline" if begun.exhausted == "deadline" else "limits")
-
-    def _dispatch_done(self, call_id: str) -> None:
-        self._dispatched.pop(call_id, None)
-        if self.metrics is not None:
-            self.metrics.in_flight.dec()
 
     def _replay_outcome(self, call: _Call, record: EffectRecord | None) -> _Outcome | None:
         decision = decide_replay(record, call.tool.name, call.key, call.tool.reversible)
