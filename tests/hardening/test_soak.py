@@ -131,7 +131,7 @@ async def test_ended_executions_do_not_pile_up_in_a_long_running_supervisor(
     # The default store (SQLite): the memory store keeps every record in this
     # process by design, which is not what a long-running supervisor uses.
     async with Supervisor(tmp_path / "state") as sup:
-        # ~10 s here, under tracing; a busy CI host takes several times that.
+        # 10-20 s on this kind of machine under tracing; a busy CI host is slower.
         async with asyncio.timeout(STEP_TIMEOUT_S * 4):
             for _ in range(5):  # warm-up: first-use caches, the sampler task
                 await sup.run(plan, ["/bin/true"])
