@@ -606,14 +606,15 @@ def _checked_result(tool: Tool, raw: Any) -> tuple[Any, str | None, str | None]:
             )
         except (ValidationError, ValueError, TypeError) as exc:
             return None, None, f"the result does not match {tool.name}'s output schema: {exc}"
-    if nested_deeper_than(result, MAX_NESTING):
-        # Deeper, it could pass here and fail to be written or replayed later,
-        # where the stack is deeper: a committed call answered with a 500.
-        return None, None, f"the result is not JSON: nested more than {MAX_NESTING} levels"
     try:
         canonical = jcs(result)
     except ValueError as exc:
         return None, None, f"the result is not JSON: {exc}"
+    # Each level of arrays or objects writes two bytes, so only a long result
+    # can be too deep: one that passed here could fail to be written or
+    # replayed later, where the stack is deeper (a committed call's 500).
+    if len(canonical) > 2 * MAX_NESTING and nested_deeper_than(result, MAX_NESTING):
+        return None, None, f"the result is not JSON: nested more than {MAX_NESTING} levels"
     return result, sha256_hex(canonical), None
 
 

@@ -357,7 +357,8 @@ async def test_a_result_nested_too_deep_is_invalid_and_every_retry_gets_the_same
     else:
         assert first["status"] == 500
         assert first["body"]["error"]["code"] == "result_invalid"
-        assert f"nested more than {MAX_NESTING} levels" in first["body"]["error"]["message"]
+        if depth == MAX_NESTING + 1:  # deeper, JCS itself may give up first
+            assert f"nested more than {MAX_NESTING} levels" in first["body"]["error"]["message"]
         assert again["status"] == 500 and again["body"]["effect"] == "replayed"
         assert again["body"]["error"] == first["body"]["error"]
     assert looked_up["status"] == first["status"]
