@@ -281,7 +281,7 @@ class Broker:
         done = asyncio.get_running_loop().create_future()
         self._dispatched[call.call_id] = done
         if self.metrics is not None:
-            self.metrics.in_flight.inc()
+            self.metrics.in_flight += 1
         try:
             return await self._dispatch(call, outcome)
         finally:
@@ -289,7 +289,7 @@ class Broker:
             if self._dispatched.get(call.call_id) is done:
                 del self._dispatched[call.call_id]
             if self.metrics is not None:
-                self.metrics.in_flight.dec()
+                self.metrics.in_flight -= 1
 
     def _start(self, call: _Call) -> StartCall:
         return StartCall(
