@@ -277,7 +277,8 @@ class Broker:
         admission.settled.set_result(None)
         # In this request's own task, no task of its own: a guest that hangs up
         # never cancels it (the channel turns aiohttp's handler cancellation
-        # off); only a shutdown does, and _dispatch records that as unknown.
+        # off). Only a shutdown may; _dispatch then marks the record unknown if
+        # the store still answers, else the next start finds it pending and does.
         done = asyncio.get_running_loop().create_future()
         self._dispatched[call.call_id] = done
         if self.metrics is not None:

@@ -117,10 +117,11 @@ def _with_ints(value: Any) -> Any:
     return value
 
 
-#: The deepest nesting of arrays and objects a result may have: pydantic's own
-#: serialization limit (arguments of JSON-typed tools stop there too). Well
-#: inside the interpreter's recursion limit, so a result accepted once is
-#: written, stored, read back and hashed again on any later path.
+#: The deepest nesting of arrays and objects a result may have: about where
+#: pydantic's serializer stops (it refuses 255 levels), which bounds tools with
+#: an output schema and JSON-typed arguments already. Well inside the
+#: interpreter's recursion limit, so a result accepted once is written,
+#: stored, read back and hashed again on any later path.
 MAX_NESTING: Final = 255
 
 
@@ -128,7 +129,9 @@ def nested_deeper_than(value: Any, limit: int) -> bool:
     """Whether ``value`` holds arrays or objects more than ``limit`` levels deep.
 
     Walked a level at a time, so the answer never depends on how deep the
-    caller's own stack is, and a value that holds itself is simply too deep.
+    caller's own stack is. A container held in several places is walked in
+    each, as JCS writes it: call this on a value :func:`jcs` accepted (it
+    refuses cycles), and it costs no more than that JCS did.
     """
     level = [value]
     for _ in range(limit + 1):  # the items of ``level`` are inside that many containers

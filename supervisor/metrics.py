@@ -19,12 +19,12 @@ from prometheus_client.utils import floatToGoString
 
 from supervisor.tcp import serve_tcp
 
-__all__ = ["CONTENT_TYPE", "Metrics", "MetricsListener"]
+__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS", "Metrics", "MetricsListener"]
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 #: Latency buckets (seconds): a replay takes well under a millisecond, a
 #: handler that waits for approval may take minutes.
-_BUCKETS: Final = (
+LATENCY_BUCKETS: Final = (
     0.0005,
     0.001,
     0.0025,
@@ -43,7 +43,7 @@ _BUCKETS: Final = (
     60.0,
     300.0,
 )
-_BUCKET_NAMES: Final = (*map(floatToGoString, _BUCKETS), "+Inf")
+_BUCKET_NAMES: Final = (*map(floatToGoString, LATENCY_BUCKETS), "+Inf")
 
 
 class _Latency:
@@ -52,7 +52,7 @@ class _Latency:
     __slots__ = ("counts", "total")
 
     def __init__(self) -> None:
-        self.counts = [0] * (len(_BUCKETS) + 1)
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.total = 0.0
 
 
@@ -83,7 +83,7 @@ class Metrics:
         latency = self._latency.get(tool)
         if latency is None:
             latency = self._latency[tool] = _Latency()
-        latency.counts[bisect.bisect_left(_BUCKETS, seconds)] += 1  # le: bound included
+        latency.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1  # le: bound included
         latency.total += seconds
 
     def calls_by_outcome(self) -> dict[str, int]:

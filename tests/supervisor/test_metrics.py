@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.metrics import _BUCKETS, Metrics
+from supervisor.metrics import LATENCY_BUCKETS, Metrics
 
 #: A few calls: (tool, outcome, seconds), bucket bounds exactly among them.
 CALLS = st.lists(
     st.tuples(
         st.sampled_from(["lookup", "charge", "(not in plan)"]),
         st.sampled_from(["executed", "replayed", "refused"]),
-        st.one_of(st.sampled_from(_BUCKETS), st.floats(0, 1000, allow_nan=False)),
+        st.one_of(st.sampled_from(LATENCY_BUCKETS), st.floats(0, 1000, allow_nan=False)),
     ),
     max_size=30,
 )
@@ -37,7 +37,7 @@ def _reference(calls: list[tuple[str, str, float]]) -> str:
     registry = CollectorRegistry()
     counter = Counter("hostcall_calls", "", ["tool", "outcome"], registry=registry)
     histogram = Histogram(
-        "hostcall_call_duration_seconds", "", ["tool"], buckets=_BUCKETS, registry=registry
+        "hostcall_call_duration_seconds", "", ["tool"], buckets=LATENCY_BUCKETS, registry=registry
     )
     for tool, outcome, seconds in calls:
         counter.labels(tool=tool, outcome=outcome).inc()
