@@ -287,8 +287,8 @@ class Broker:
             return await self._dispatch(call, outcome)
         finally:
             done.set_result(None)
-            if self._dispatched.get(call.call_id) is done:
-                del self._dispatched[call.call_id]
+            # Nothing else holds this call_id here: its record is pending until now.
+            del self._dispatched[call.call_id]
             if self.metrics is not None:
                 self.metrics.in_flight -= 1
 

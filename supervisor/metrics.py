@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator
+from itertools import accumulate
 from typing import Final
 
 from aiohttp import web
@@ -56,7 +57,7 @@ class _Latency:
         self.total = 0.0
 
 
-class Metrics:
+class Metrics(Collector):
     """Calls by tool and outcome, latency, calls in flight, proposals waiting.
 
     Counted in plain numbers on the event loop's thread, where every call is
@@ -74,7 +75,7 @@ class Metrics:
         self._latency: dict[str, _Latency] = {}
         self._proposals_waiting = proposals_waiting
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_Families(self))
+        self.registry.register(self)
 
     def observe(self, tool: str, outcome: str, seconds: float) -> None:
         """Count one call that reached a broker."""
@@ -97,8 +98,8 @@ class Metrics:
         """Handlers running now."""
         return self.in_flight
 
-    def families(self) -> Iterator[Metric]:
-        """Every metric as a Prometheus family, as of now."""
+    def collect(self) -> Iterator[Metric]:
+        """Every metric as a Prometheus family, as of now (the registry asks)."""
         calls = CounterMetricFamily(
             "hostcall_calls",
             "Calls that reached a broker, by tool and outcome (receipt outcomes).",
@@ -113,10 +114,7 @@ class Metrics:
             labels=["tool"],
         )
         for tool, histogram in self._latency.items():
-            cumulative, buckets = 0, []
-            for name, count in zip(_BUCKET_NAMES, histogram.counts, strict=True):
-                cumulative += count
-                buckets.append((name, cumulative))
+            buckets = list(zip(_BUCKET_NAMES, accumulate(histogram.counts), strict=True))
             latency.add_metric([tool], buckets, histogram.total)
         yield latency
         yield GaugeMetricFamily(
@@ -133,14 +131,6 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
-
-
-class _Families(Collector):
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        return self._metrics.families()
 
 
 class MetricsListener:

@@ -23,6 +23,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from supervisor import Plan, Supervisor, tool
 from supervisor.executions import Execution
 
@@ -265,6 +267,17 @@ async def hostcall_cli(*args: str) -> tuple[int, str, str]:
             await process.wait()
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of a ``/metrics`` text by name and sorted labels, but the
+    ``_created`` timestamps (hostcall writes none)."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
 
 
 def without_hostcall_env() -> dict[str, str]:

@@ -80,24 +80,15 @@ def request(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 #: Connections whose request was sent and whose answer nobody reads.
-_UNREAD: dict[str, socket.socket] = {}
+_UNREAD: dict[str, UnixConnection] = {}
 
 
 def send_only(spec: dict[str, Any]) -> dict[str, Any]:
     """Send a whole ``POST /v1/calls`` and keep the connection, unread."""
-    body = json.dumps(spec["body"]).encode()
-    head = [
-        "POST /v1/calls HTTP/1.1",
-        "Host: localhost",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        *(f"{name}: {value}" for name, value in IDENTITY.items()),
-    ]
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(60)
-    sock.connect(SOCKET)
-    sock.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + body)
-    _UNREAD[spec["name"]] = sock
+    conn = UnixConnection(SOCKET)
+    headers = {**IDENTITY, "Content-Type": "application/json"}
+    conn.request("POST", "/v1/calls", json.dumps(spec["body"]).encode(), headers)
+    _UNREAD[spec["name"]] = conn
     return {"sent": True}
 
 

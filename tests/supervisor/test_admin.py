@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor import Supervisor
 from supervisor.admin_client import AdminClient, AdminError
@@ -22,6 +21,7 @@ from tests.harness import (
     billing_plan,
     driven_guest,
     hostcall_cli,
+    metric_samples,
     wait_until,
 )
 
@@ -234,11 +234,7 @@ async def test_metrics_parse_with_prometheus_own_parser(gated: Supervisor, ledge
         gated.approvals.approve(gated.approvals.list()[0].id)
         await call
     assert isinstance(text, str)
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    samples = metric_samples(text)
     assert samples[("hostcall_calls_total", (("outcome", "executed"), ("tool", "lookup")))] == 1
     assert samples[("hostcall_calls_total", (("outcome", "replayed"), ("tool", "lookup")))] == 1
     # Tool names outside the plan share one label: a guest cannot grow the metrics.

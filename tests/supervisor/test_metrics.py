@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.metrics import LATENCY_BUCKETS, Metrics
+from tests.harness import metric_samples
 
 #: A few calls: (tool, outcome, seconds), bucket bounds exactly among them.
 CALLS = st.lists(
@@ -21,16 +21,6 @@ CALLS = st.lists(
     ),
     max_size=30,
 )
-
-
-def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample but the ``_created`` timestamps (which ours do not write)."""
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if not s.name.endswith("_created")
-    }
 
 
 def _reference(calls: list[tuple[str, str, float]]) -> str:
@@ -52,8 +42,8 @@ def test_counts_and_latency_read_as_the_prometheus_clients_own_would(
     metrics = Metrics(lambda: 0)
     for call in calls:
         metrics.observe(*call)
-    ours = _samples(metrics.render().decode())
-    reference = _samples(_reference(calls))
+    ours = metric_samples(metrics.render().decode())
+    reference = metric_samples(_reference(calls))
     gauges = {("hostcall_calls_in_flight", ()), ("hostcall_proposals_waiting", ())}
     assert set(ours) - gauges == set(reference)
     for key, value in reference.items():
@@ -68,7 +58,7 @@ def test_calls_in_flight_and_proposals_waiting_are_read_when_asked() -> None:
     metrics.observe("charge", "executed", 0.02)
     metrics.observe("charge", "refused", 0.0)
     waiting[0] = 5
-    samples: dict[Any, float] = _samples(metrics.render().decode())
+    samples: dict[Any, float] = metric_samples(metrics.render().decode())
     assert samples[("hostcall_calls_in_flight", ())] == 3
     assert samples[("hostcall_proposals_waiting", ())] == 5
     assert metrics.calls_by_outcome() == {"executed": 2, "refused": 1}
