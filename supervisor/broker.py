@@ -287,8 +287,10 @@ class Broker:
             return await self._dispatch(call, outcome)
         finally:
             done.set_result(None)
-            # Nothing else holds this call_id here: its record is pending until now.
-            del self._dispatched[call.call_id]
+            # A reversible call marked unknown may be dispatched again by a retry
+            # before this one gets here: leave that one's entry alone.
+            if self._dispatched.get(call.call_id) is done:
+                del self._dispatched[call.call_id]
             if self.metrics is not None:
                 self.metrics.in_flight -= 1
 
