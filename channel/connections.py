@@ -8,11 +8,13 @@ connections itself and, once per connection, before aiohttp sees it:
   sandbox of the process that connected, or its session when that process
   is in our own pid namespace (an unsandboxed guest). A peer that cannot be
   attributed is refused (403 ``origin_denied``);
-- counts it: at most ``per_group`` open connections per group, and at most
-  ``total`` in all, by default half the soft ``RLIMIT_NOFILE``
-  (:func:`default_max_connections`), so that the other half always stays for
-  the supervisor's own files. A connection over either limit is answered 503
-  ``too_many_connections`` and closed; the others are unaffected.
+- counts it: at most ``per_group`` connections per group, a connection
+  counting until it has closed *and* its request has been answered
+  (:class:`Slot`), and at most ``total`` open connections in all, by
+  default half the soft ``RLIMIT_NOFILE`` (:func:`default_max_connections`),
+  so that the other half always stays for the supervisor's own files. A
+  connection over either limit is answered 503 ``too_many_connections``
+  and closed; the others are unaffected.
 
 Idle connections are closed by aiohttp's keep-alive timer
 (:class:`ChannelConnection`).
@@ -105,25 +107,57 @@ def _answer(code: str, message: str) -> bytes:
 
 
 class Slot:
-    """One admitted connection's place in its group's count."""
+    """One admitted connection's place in the counts.
 
-    __slots__ = ("_listener", "_open", "peer")
+    It holds its place in the channel's total while the connection is open
+    (that count is of descriptors), and in its group's while the connection
+    is open *or* a request it sent is still being handled. A request goes on
+    when its guest hangs up (a dispatched handler must not be cancelled), so
+    without the second rule a guest could send a call, hang up, and open
+    another connection in its place, as often as it liked: calls in progress
+    per execution would have no bound.
+    """
+
+    __slots__ = ("_group_held", "_listener", "_open", "_requests", "peer")
 
     def __init__(self, listener: ChannelListener, peer: Peer) -> None:
         self._listener = listener
         self._open = True
+        self._group_held = True
+        self._requests = 0
         self.peer = peer
 
+    def request_started(self) -> None:
+        """A request of this connection is being handled."""
+        self._requests += 1
+
+    def request_ended(self) -> None:
+        """That request was answered (or given up)."""
+        self._requests -= 1
+        if not self._open:
+            self._listener._orphaned_requests -= 1
+            if not self._requests:
+                self._release_group()
+
     def release(self) -> None:
-        """Give the place back (once; later calls do nothing)."""
+        """The connection closed (once; later calls do nothing)."""
         if self._open:
             self._open = False
-            self._listener._release(self.peer.group)
+            self._listener._release_connection()
+            if self._requests:
+                self._listener._orphaned_requests += self._requests
+            else:
+                self._release_group()
+
+    def _release_group(self) -> None:
+        if self._group_held:
+            self._group_held = False
+            self._listener._release_group(self.peer.group)
 
 
 class ChannelConnection(RequestHandler):
     """aiohttp's handler of one admitted connection: it knows its peer and
-    gives its slot back when the connection closes.
+    its slot, and tells the slot when the connection closes.
 
     The idle timeout is aiohttp's keep-alive timeout, which does what S9 needs:
     it runs from the moment the connection opens or its last response was
@@ -133,7 +167,7 @@ class ChannelConnection(RequestHandler):
     (``ChannelServer``).
     """
 
-    __slots__ = ("_slot", "peer")
+    __slots__ = ("peer", "slot")
 
     def __init__(self, manager: web.Server, slot: Slot, *, idle_timeout_s: float) -> None:
         super().__init__(
@@ -144,14 +178,14 @@ class ChannelConnection(RequestHandler):
             tcp_keepalive=False,  # a Unix socket
             access_log=None,  # type: ignore[arg-type]  # aiohttp's "no access log"
         )
-        self._slot = slot
+        self.slot = slot
         self.peer = slot.peer
 
     def connection_lost(self, exc: BaseException | None) -> None:
         try:
             super().connection_lost(exc)
         finally:
-            self._slot.release()
+            self.slot.release()
 
 
 class ChannelListener:
@@ -190,6 +224,9 @@ class ChannelListener:
         self._per_group_count: dict[GroupKey, int] = {}
         #: Connections admitted and not yet closed.
         self.open_connections = 0
+        #: Requests still being handled whose connection has closed; each
+        #: still counts against its group's limit (:class:`Slot`).
+        self._orphaned_requests = 0
         self._adopting: set[asyncio.Task[None]] = set()
         self._lingering: dict[int, tuple[socket.socket, asyncio.TimerHandle]] = {}
         self._max_lingering = max(1, min(MAX_LINGERING, total // 8))
@@ -206,6 +243,11 @@ class ChannelListener:
             "too_many_connections", "the supervisor is out of file descriptors; try again"
         )
         self._unattributed = _answer("origin_denied", "the peer process could not be identified")
+
+    @property
+    def orphaned_requests(self) -> int:
+        """Requests still being handled whose connection has closed."""
+        return self._orphaned_requests
 
     def start(self) -> None:
         """Start accepting."""
@@ -292,8 +334,10 @@ class ChannelListener:
             conn.close()  # a no-op if the transport took it and closed it
             raise
 
-    def _release(self, group: GroupKey) -> None:
+    def _release_connection(self) -> None:
         self.open_connections -= 1
+
+    def _release_group(self, group: GroupKey) -> None:
         left = self._per_group_count[group] - 1
         if left:
             self._per_group_count[group] = left

@@ -16,7 +16,7 @@ import re
 import socket
 import stat
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -121,6 +121,12 @@ class ChannelServer:
         """Connections admitted and not yet closed."""
         return self._listener.open_connections if self._listener is not None else 0
 
+    @property
+    def orphaned_requests(self) -> int:
+        """Requests still being handled whose guest has hung up (each still
+        counts against its execution's connection limit)."""
+        return self._listener.orphaned_requests if self._listener is not None else 0
+
     def _app(self) -> web.Application:
         app = web.Application(middlewares=[self._boundary], client_max_size=self._max_body)
         app.router.add_post("/v1/calls", self._post_call, expect_handler=_expect)
@@ -195,6 +201,10 @@ class ChannelServer:
     async def _boundary(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Turn every failure into the protocol's JSON answer."""
         self.active_requests += 1
+        # The request holds its connection's place in the execution's limit
+        # until it is answered, even if the guest hangs up first (Slot).
+        slot = cast(ChannelConnection, request.protocol).slot
+        slot.request_started()
         try:
             response: web.StreamResponse = await handler(request)
         except Refusal as refusal:
@@ -220,6 +230,7 @@ class ChannelServer:
             )
         finally:
             self.active_requests -= 1
+            slot.request_ended()
         return response
 
     async def _identify(self, request: web.Request) -> ExecutionPort:

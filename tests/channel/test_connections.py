@@ -51,12 +51,14 @@ class FakeBroker:
     def __init__(self) -> None:
         self.polling = asyncio.Event()
         self.release = asyncio.Event()
+        self.polls = 0
 
     async def call(self, call_id: str, tool: str, args: dict[str, Any]) -> CallReply:
         return CallReply("ok", call_id, "executed", tool, {"ran": True}, "0" * 64, "rcpt_1")
 
     async def status(self, call_id: str, wait_s: float) -> CallReply:
         if wait_s > 0:
+            self.polls += 1
             self.polling.set()
             await self.release.wait()
         return CallReply.refused(call_id, Refusal("not_found", "no record of this call"))
@@ -312,6 +314,37 @@ async def test_another_execution_gets_in_while_one_is_at_its_limit_and_a_freed_s
     assert over.status == 503
     assert other["status"] == 200
     assert again.status == 200
+
+
+async def test_a_request_whose_guest_hung_up_holds_its_place_until_it_is_answered(
+    tmp_path: Path, clients: Clients
+) -> None:
+    # A request goes on when its guest hangs up (a dispatched handler is never
+    # cancelled). If the hang-up freed the place, a guest could send a call,
+    # hang up and open another connection, as often as it liked: calls in
+    # progress per execution would have no bound. Long polls stand in for
+    # calls here.
+    execution = FakeExecution(guest_pid=os.getpid())
+    async with (
+        asyncio.timeout(STEP_TIMEOUT_S),
+        channel(tmp_path / "s", execution, max_connections_per_group=2) as server,
+    ):
+        for n in range(2):
+            connection = await clients.open(server.socket_path)
+            connection.send(encode_request(execution, path=f"/v1/calls/c{n}?wait=60"))
+        await wait_until(lambda: execution.broker.polls == 2)
+        await clients.close_all()
+        await wait_until(lambda: server.orphaned_requests == 2)
+        descriptors_left = server.open_connections
+        while_running = await (await clients.open(server.socket_path)).request(execution)
+        execution.broker.release.set()
+        await wait_until(lambda: server.orphaned_requests == 0)
+        after = await (await clients.open(server.socket_path)).request(execution)
+
+    assert descriptors_left == 0  # the connections themselves are gone
+    assert while_running.status == 503
+    assert while_running.body["error"]["code"] == "too_many_connections"
+    assert after.status == 200
 
 
 async def test_the_channel_as_a_whole_refuses_connections_beyond_its_total(
