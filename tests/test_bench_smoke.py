@@ -55,6 +55,7 @@ CHECKS = {
     "sqlite1_added_p50_us",
     "sqlite1_vs_mcp1",
     "memory1_server_cpu_us",
+    "memory1_cpu_vs_echo1",
     "sqlite32_vs_memory32",
     "many_vs_single",
     "many_rss_mb",

@@ -152,6 +152,17 @@ def checks(results: dict[str, Any]) -> list[Check]:
             "<=",
         ),
         _check(
+            "memory1_cpu_vs_echo1",
+            "1 in flight: server CPU per call, memory store ÷ bare echo (proposed target)",
+            _ratio(
+                _field(results, "hostcall-memory", 1, "server_cpu_us_per_call"),
+                _field(results, "echo", 1, "server_cpu_us_per_call"),
+            ),
+            2.5,
+            "<=",
+            "measures the code, not the hour: docs/benchmarks.md",
+        ),
+        _check(
             "sqlite32_vs_memory32",
             "32 in flight: SQLite store ÷ memory store (calls/s)",
             _ratio(rate("hostcall-sqlite", 32), rate("hostcall-memory", 32)),
