@@ -8,8 +8,16 @@ outrun by a fork: ``cgroup.kill``, or freeze, SIGKILL every member, thaw.
 - v2: a non-root cgroup with processes may not enable controllers for its
   children, so the supervisor moves itself into :data:`SUPERVISOR_LEAF` — only
   if no other process shares its cgroup — and then enables ``+memory +pids``.
-  CPU needs no controller: every cgroup has ``cpu.stat``.
+  CPU accounting needs no controller: every cgroup has ``cpu.stat``.
 - v1: the memory and pids (required), cpuacct and freezer hierarchies.
+
+And, where the cpu controller is ours to use (v2: delegated; v1: its
+hierarchy writable), CPU *weights*: the base of all guests weighs as much
+as the supervisor's own cgroup (v2) or one of its threads (v1), and each
+execution as much as any other. Without them every runnable guest process
+weighs as much as the supervisor's event loop, so 200 guests starting, or
+one guest forking spinners up to its task cap, leave the channel a sliver
+of the CPU (docs/security.md, S9).
 
 On disk: ``<own cgroup>/hostcall-<pid>-<n>/<execution>``, one base per
 :class:`CgroupHost`. The next host kills what is left in the base of a dead
@@ -46,8 +54,15 @@ SUPERVISOR_LEAF: Final = "hostcall-supervisor"
 _NAME: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # one path component
 _BASE: Final = re.compile(r"hostcall-([0-9]+)-[0-9]+")
 _REQUIRED: Final = ("memory", "pids")
-#: v1 role -> the controller whose hierarchy serves it; the "cpu" role is accounting.
-_V1_ROLES: Final = {"memory": "memory", "pids": "pids", "cpu": "cpuacct", "freezer": "freezer"}
+#: v1 role -> the controller whose hierarchy serves it; the "cpu" role is
+#: accounting, "weight" the CPU share (see the module docstring).
+_V1_ROLES: Final = {
+    "memory": "memory",
+    "pids": "pids",
+    "cpu": "cpuacct",
+    "freezer": "freezer",
+    "weight": "cpu",
+}
 _V2_ROLES: Final = ("memory", "pids", "cpu")  # all served by the one directory
 _serial = itertools.count()
 
@@ -169,6 +184,11 @@ class ExecutionCgroup:
         self._dirs = dict(dirs)  # role -> directory
         self._fs = fs
         self._last = CgroupUsage()
+        # v1's cpu hierarchy, when it serves only the CPU share: a process
+        # that cannot join it (a realtime one: the kernel would need realtime
+        # time granted to the group) runs without its weight, not at all.
+        shared = {d for role, d in self._dirs.items() if role != "weight"}
+        self._optional = {self._dirs["weight"]} - shared if "weight" in self._dirs else set()
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -185,6 +205,9 @@ class ExecutionCgroup:
             try:
                 self._fs.write(os.path.join(path, "cgroup.procs"), str(pid))
             except OSError as error:
+                if path in self._optional:
+                    logger.info("%d runs without its CPU weight: %s", pid, error)
+                    continue
                 raise CgroupError(error.errno, f"cannot add {pid} to {path}: {error}") from error
 
     def usage(self) -> CgroupUsage:
@@ -378,6 +401,7 @@ class CgroupHost:
                     made.add(base)
                     if kind == "cgroup-v2":  # no process is in the base: it may enable
                         fs.write(os.path.join(base, "cgroup.subtree_control"), "+memory +pids")
+                        _enable_cpu_weights(base, fs)
             except OSError as error:
                 if role in _REQUIRED:
                     logger.info("no %s cgroup at %s: %s", kind, base, error)
@@ -502,6 +526,7 @@ def _v2_container(own: str, fs: CgroupFs) -> str | None:
     """The v2 cgroup under which children get memory and pids, prepared if we may."""
     parent = os.path.dirname(own)
     if os.path.basename(own) == SUPERVISOR_LEAF and _has(parent, "cgroup.subtree_control"):
+        _enable_cpu_weights(parent, fs)
         return parent  # we, or an earlier supervisor of this cgroup, moved here already
     if not _has(own, "cgroup.controllers"):
         return None
@@ -515,7 +540,21 @@ def _v2_container(own: str, fs: CgroupFs) -> str | None:
         fs.write(os.path.join(leaf, "cgroup.procs"), str(os.getpid()))
     if not _has(own, "cgroup.subtree_control"):
         fs.write(os.path.join(own, "cgroup.subtree_control"), "+memory +pids")
+    _enable_cpu_weights(own, fs)
     return own
+
+
+def _enable_cpu_weights(directory: str, fs: CgroupFs) -> None:
+    """Give ``directory``'s children CPU weights, where the cpu controller is
+    delegated (v2). Best effort: without it every process weighs the same."""
+    try:
+        if "cpu" in _read(os.path.join(directory, "cgroup.subtree_control")).split():
+            return
+        if "cpu" not in _read(os.path.join(directory, "cgroup.controllers")).split():
+            return
+        fs.write(os.path.join(directory, "cgroup.subtree_control"), "+cpu")
+    except OSError as error:  # e.g. EINVAL: a realtime process in the subtree
+        logger.info("no CPU weights under %s: %s", directory, error)
 
 
 def _has(directory: str, listing: str) -> bool:

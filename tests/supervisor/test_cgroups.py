@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -244,6 +245,27 @@ def test_cpu_of_a_child_that_already_exited_is_counted(host: CgroupHost) -> None
     assert cpu_s is not None and cpu_s >= 0.3
 
 
+def test_a_member_shares_its_executions_cpu_weight(host: CgroupHost) -> None:
+    # docs/security.md, S9: the guests together weigh as much as the
+    # supervisor, and each execution as much as another, however many
+    # processes it runs. The kernel does the weighing; here: where they are.
+    if host.kind == "cgroup-v1" and (os.geteuid() != 0 or "cpu" not in v1_controllers()):
+        pytest.skip("needs root and a cgroup v1 cpu hierarchy")
+    cgroup = host.create("weight", memory_bytes=None, max_tasks=None)
+    directory = Path(cgroup.paths[0])
+    if host.kind == "cgroup-v2" and "cpu" not in (directory / "cgroup.controllers").read_text():
+        pytest.skip("the cpu controller is not delegated here")
+    with child_in(cgroup, "") as child:
+        memberships = Path(f"/proc/{child.process.pid}/cgroup").read_text().splitlines()
+        child.release()
+        assert child.finish() == (0, "")
+    if host.kind == "cgroup-v1":
+        [cpu] = [m for m in memberships if "cpu" in m.split(":")[1].split(",")]
+        assert re.search(r"/hostcall-[0-9]+-[0-9]+/weight$", cpu), cpu
+    else:
+        assert (directory / "cpu.weight").read_text().strip() == "100"
+
+
 #: A subreaper that reaps 16 chains in which every process forks its successor
 #: and exits, so the members' pids keep changing: one pass of kill(pid) over a
 #: list of members lets some chains escape (about 1 tree in 5 on our CI machine).
@@ -390,6 +412,8 @@ class FakeKernel:
             files |= {"memory.swap.max": "max", "memory.events": "max 0\noom 0\noom_kill 0\n"}
         if "pids" in enabled:
             files |= {"pids.current": "0", "pids.max": "max", "pids.events": "max 0\n"}
+        if "cpu" in enabled:
+            files |= {"cpu.weight": "100"}
         for name, text in files.items():
             (directory / name).write_text(text)
         self.place(directory, [])
@@ -487,7 +511,7 @@ def fake_host(
     return FakeHost(kernel, proc_cgroup, mountinfo)
 
 
-def test_v2_detect_moves_the_supervisor_into_a_leaf_before_enabling_memory_and_pids(
+def test_v2_detect_moves_the_supervisor_into_a_leaf_before_enabling_memory_pids_and_cpu(
     tmp_path: Path,
 ) -> None:
     fake = fake_host(tmp_path)
@@ -496,14 +520,34 @@ def test_v2_detect_moves_the_supervisor_into_a_leaf_before_enabling_memory_and_p
     scope = fake.cgroup("user.slice/app.scope")
     assert fake.kernel.procs(scope / cgroups.SUPERVISOR_LEAF) == [os.getpid()]
     assert fake.kernel.procs(scope) == []
-    assert (scope / "cgroup.subtree_control").read_text() == "memory pids"
+    assert (scope / "cgroup.subtree_control").read_text() == "cpu memory pids"
     [base] = scope.glob("hostcall-[0-9]*")
-    assert (base / "cgroup.subtree_control").read_text() == "memory pids"
-    assert fake.kernel.writes[-3:] == [
+    assert (base / "cgroup.subtree_control").read_text() == "cpu memory pids"
+    assert fake.kernel.writes[-5:] == [
         (f"user.slice/app.scope/{cgroups.SUPERVISOR_LEAF}/cgroup.procs", str(os.getpid())),
         ("user.slice/app.scope/cgroup.subtree_control", "+memory +pids"),
+        ("user.slice/app.scope/cgroup.subtree_control", "+cpu"),
         (f"user.slice/app.scope/{base.name}/cgroup.subtree_control", "+memory +pids"),
+        (f"user.slice/app.scope/{base.name}/cgroup.subtree_control", "+cpu"),
     ]
+    # The base of all guests weighs as much as the supervisor's leaf beside
+    # it, and each execution as much as any other, however many processes.
+    execution = Path(host.create("ex", memory_bytes=None, max_tasks=None).paths[0])
+    assert (base / "cpu.weight").read_text() == "100"
+    assert (execution / "cpu.weight").read_text() == "100"
+
+
+def test_v2_detect_does_without_cpu_weights_where_cpu_is_not_delegated(
+    tmp_path: Path,
+) -> None:
+    fake = fake_host(tmp_path, controllers="memory pids")
+    host = fake.detect()
+    assert host is not None
+    scope = fake.cgroup("user.slice/app.scope")
+    [base] = scope.glob("hostcall-[0-9]*")
+    assert (scope / "cgroup.subtree_control").read_text() == "memory pids"
+    assert (base / "cgroup.subtree_control").read_text() == "memory pids"
+    assert not any(text == "+cpu" for _, text in fake.kernel.writes)
 
 
 def test_v2_detect_gives_up_when_another_process_shares_the_supervisors_cgroup(
@@ -755,6 +799,40 @@ def test_v1_detect_nests_a_base_under_the_supervisors_cgroup_in_each_hierarchy(
         "cpu,cpuacct",
         "freezer",
     ]
+
+
+def test_v1_detect_puts_each_execution_in_the_cpu_hierarchy_for_its_weight(
+    tmp_path: Path,
+) -> None:
+    # Separate cpu and cpuacct hierarchies (as on this project's machines):
+    # accounting in one, the CPU share in the other.
+    host = v1_host(
+        tmp_path,
+        {"memory": "/", "pids": "/", "cpuacct": "/", "freezer": "/", "cpu": "/"},
+    )
+    assert host is not None
+    paths = [Path(p) for p in host.create("ex", memory_bytes=None, max_tasks=None).paths]
+    assert sorted(p.relative_to(tmp_path).parts[0] for p in paths) == [
+        "cpu",
+        "cpuacct",
+        "freezer",
+        "memory",
+        "pids",
+    ]
+
+
+def test_v1_a_process_that_cannot_take_its_cpu_weight_joins_the_rest(tmp_path: Path) -> None:
+    host = v1_host(tmp_path, {"memory": "/", "pids": "/", "cpu": "/"})
+    assert host is not None
+    cgroup = host.create("ex", memory_bytes=None, max_tasks=None)
+    memory, pids, weight = (Path(p) for p in cgroup.paths)
+    (weight / "cgroup.procs").mkdir()  # the kernel refuses (EINVAL for a realtime one)
+    cgroup.add(4242)
+    assert [(d / "cgroup.procs").read_text() for d in (memory, pids)] == ["4242"] * 2
+    (memory / "cgroup.procs").unlink()
+    (memory / "cgroup.procs").mkdir()  # a limit's hierarchy refusing is still an error
+    with pytest.raises(CgroupError):
+        cgroup.add(4343)
 
 
 def test_v1_detect_does_without_a_freezer_but_not_without_pids(tmp_path: Path) -> None:
