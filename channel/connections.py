@@ -130,6 +130,8 @@ class Slot:
     def request_started(self) -> None:
         """A request of this connection is being handled."""
         self._requests += 1
+        if not self._open:  # aiohttp may start one it read just before the close
+            self._listener._orphaned_requests += 1
 
     def request_ended(self) -> None:
         """That request was answered (or given up)."""
