@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from json.encoder import (  # type: ignore[attr-defined]  # the C encoder has no stub
+    c_make_encoder,
+    encode_basestring_ascii,
+)
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
@@ -40,11 +44,13 @@ ReplyStatus = Literal["ok", "ambiguous", "refused", "error", "awaiting_approval"
 
 
 def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise ValueError(f"duplicate key {key!r}")
-        obj[key] = value
+    obj = dict(pairs)
+    if len(obj) != len(pairs):  # rare: find the first key seen twice, for the message
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
     return obj
 
 
@@ -68,8 +74,27 @@ _strict_decode: Final = json.JSONDecoder(
     parse_constant=_refuse_constant,
     parse_float=_finite_float,
 ).decode
+
+
+def _compact_json() -> Callable[[Any], str]:
+    """``json.dumps(value, separators=(",", ":"))`` without its per-call set-up:
+    json's C encoder made once (as ``supervisor.canonical.c_json_encoder``,
+    which the channel does not import). A cycle raises ``RecursionError``."""
+    reference = json.JSONEncoder(separators=(",", ":"))
+    if c_make_encoder is None:  # an interpreter without json's C accelerator
+        return reference.encode
+    chunks = c_make_encoder(
+        None, reference.default, encode_basestring_ascii, None, ":", ",", False, False, True
+    )
+
+    def encode(value: Any) -> str:
+        return "".join(chunks(value, 0))
+
+    return encode
+
+
 #: ``json.dumps(value, separators=(",", ":"))``: ASCII-only compact JSON.
-compact_json: Final = json.JSONEncoder(separators=(",", ":")).encode
+compact_json: Final = _compact_json()
 
 
 def parse_strict_json(raw: bytes) -> Any:

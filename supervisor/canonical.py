@@ -5,12 +5,19 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from collections.abc import Callable
+from json.encoder import (  # type: ignore[attr-defined]  # the C encoder has no stub
+    c_make_encoder,
+    encode_basestring,
+    encode_basestring_ascii,
+)
 from typing import Any, Final
 
 import rfc8785
 
 __all__ = [
     "MAX_NESTING",
+    "c_json_encoder",
     "compact_json",
     "idempotency_key",
     "idempotency_key_sized",
@@ -21,15 +28,38 @@ __all__ = [
 
 #: JCS numbers are IEEE doubles: integers beyond this lose precision.
 _MAX_SAFE_INT: Final = 2**53 - 1
-_encode: Final = json.JSONEncoder(
-    ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
-).encode
 
 
-#: ``json.dumps(value, separators=(",", ":"))``, made once (it is reentrant):
-#: a stored response is written with it on every call. The channel has its
-#: own (``channel.wire.compact_json``): it imports nothing of the supervisor.
-compact_json: Final = json.JSONEncoder(separators=(",", ":")).encode
+def c_json_encoder(*, sort_keys: bool, ensure_ascii: bool, allow_nan: bool) -> Callable[[Any], str]:
+    """``json.JSONEncoder(separators=(",", ":"), …).encode`` without its per-call
+    set-up: json's C encoder, made once. The same text for every value
+    (a property test checks it), but for a cycle: no cycle check, so one
+    raises ``RecursionError`` (``json.dumps``: ``ValueError``), as a value
+    nested too deep does in both. Reentrant: it keeps no state between calls.
+    """
+    reference = json.JSONEncoder(
+        separators=(",", ":"), sort_keys=sort_keys, ensure_ascii=ensure_ascii, allow_nan=allow_nan
+    )
+    if c_make_encoder is None:  # an interpreter without json's C accelerator
+        return reference.encode
+    quote = encode_basestring_ascii if ensure_ascii else encode_basestring
+    chunks = c_make_encoder(
+        None, reference.default, quote, None, ":", ",", sort_keys, False, allow_nan
+    )
+
+    def encode(value: Any) -> str:
+        return "".join(chunks(value, 0))
+
+    return encode
+
+
+#: JCS's writer once :func:`_fast_form` vouched for the value.
+_encode: Final = c_json_encoder(sort_keys=True, ensure_ascii=False, allow_nan=False)
+
+#: ``json.dumps(value, separators=(",", ":"))``: a stored response is written
+#: with it on every call. The channel has its own (``channel.wire.compact_json``):
+#: it imports nothing of the supervisor.
+compact_json: Final = c_json_encoder(sort_keys=False, ensure_ascii=True, allow_nan=True)
 
 
 class _Form(enum.Enum):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from typing import Any
 
@@ -10,7 +12,8 @@ import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.canonical import jcs, nested_deeper_than
+from channel.wire import compact_json as channel_compact_json
+from supervisor.canonical import c_json_encoder, compact_json, jcs, nested_deeper_than
 
 _scalars = (
     st.none()
@@ -172,3 +175,51 @@ def test_nesting_is_the_deepest_chain_of_arrays_and_objects(value: Any, levels: 
     assert not nested_deeper_than(value, levels)
     if levels:
         assert nested_deeper_than(value, levels - 1)
+
+
+# The encoders made once (json's C encoder without JSONEncoder.encode's set-up
+# per call) must write exactly what json.dumps writes, or refuse the same way.
+_any_json = st.recursive(
+    _scalars | st.floats() | st.integers(),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(_keys | st.integers() | st.booleans() | st.none(), inner, max_size=4)
+        | st.tuples(inner, inner)
+    ),
+    max_leaves=20,
+)
+
+
+def _assert_like_json_dumps(encode: Any, value: Any, **options: Any) -> None:
+    try:
+        expected = json.dumps(value, separators=(",", ":"), **options)
+    except (ValueError, TypeError) as refused:  # NaN without allow_nan, keys of mixed types
+        with pytest.raises(type(refused), match=re.escape(str(refused)[:20])):
+            encode(value)
+    else:
+        assert encode(value) == expected
+
+
+@settings(max_examples=500, deadline=None)
+@given(_any_json)
+def test_the_compact_encoders_write_what_json_dumps_writes(value: Any) -> None:
+    _assert_like_json_dumps(compact_json, value)
+    _assert_like_json_dumps(channel_compact_json, value)
+    for sort_keys in (False, True):
+        for ensure_ascii in (False, True):
+            for allow_nan in (False, True):
+                options = {"sort_keys": sort_keys, "ensure_ascii": ensure_ascii}
+                encode = c_json_encoder(allow_nan=allow_nan, **options)
+                _assert_like_json_dumps(encode, value, allow_nan=allow_nan, **options)
+
+
+def test_the_compact_encoders_refuse_what_json_dumps_refuses() -> None:
+    for encode in (compact_json, channel_compact_json):
+        with pytest.raises(TypeError, match="not JSON serializable"):
+            encode({"a": object()})
+        with pytest.raises(TypeError, match="keys must be"):
+            encode({(1, 2): 1})
+        cycle: list[Any] = []
+        cycle.append(cycle)
+        with pytest.raises(RecursionError):  # json.dumps: ValueError; no cycle check here
+            encode(cycle)
