@@ -16,7 +16,7 @@ import re
 import socket
 import stat
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Final, cast
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -111,7 +111,7 @@ class ChannelServer:
         self._max_per_group = max_connections_per_group
         self._max_connections = max_connections
         self._idle_timeout_s = idle_timeout_s
-        self._runner: web.AppRunner | None = None
+        self._runner: web.ServerRunner | None = None
         self._listener: ChannelListener | None = None
         #: Requests being served right now (long polls included).
         self.active_requests = 0
@@ -127,17 +127,6 @@ class ChannelServer:
         counts against its execution's connection limit)."""
         return self._listener.orphaned_requests if self._listener is not None else 0
 
-    def _app(self) -> web.Application:
-        app = web.Application(middlewares=[self._boundary], client_max_size=self._max_body)
-        app.router.add_post("/v1/calls", self._post_call, expect_handler=_expect)
-        app.router.add_get("/v1/calls/{call_id}", self._get_call, expect_handler=_expect)
-        app.router.add_get("/v1/plan", self._get_plan, expect_handler=_expect)
-        app.router.add_get(OPENAPI_PATH, self._get_openapi, expect_handler=_expect)
-        # Everything else, so that unknown paths and wrong methods get the
-        # protocol's JSON answer (and our Expect handling) too.
-        app.router.add_route("*", "/{tail:.*}", _no_such_route, expect_handler=_expect)
-        return app
-
     async def start(self) -> None:
         """Bind the socket and start serving."""
         parent = self.socket_path.parent
@@ -145,18 +134,17 @@ class ChannelServer:
         if mode & 0o077:
             raise RuntimeError(f"socket directory {parent} must be mode 0700, is {mode:04o}")
         self.socket_path.unlink(missing_ok=True)
-        runner = web.AppRunner(
-            self._app(),
-            handle_signals=False,
-            shutdown_timeout=SHUTDOWN_GRACE_S,
+        # aiohttp's low-level server: four routes need no application, router
+        # or middleware chain (_handle routes and is the boundary itself).
+        server = web.Server(
+            self._handle,
             # A guest that hangs up must not cancel the request: a dispatched
             # handler runs in it (docs/guarantees.md, "Disconnect = cancel").
             handler_cancellation=False,
         )
+        runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S)
         await runner.setup()
         self._runner = runner
-        server = runner.server
-        assert server is not None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(str(self.socket_path))
@@ -197,16 +185,16 @@ class ChannelServer:
 
     # -- request handling -------------------------------------------------
 
-    @web.middleware
-    async def _boundary(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Turn every failure into the protocol's JSON answer."""
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Every request: route it, and turn every failure into the protocol's
+        JSON answer."""
         self.active_requests += 1
         # The request holds its connection's place in the execution's limit
         # until it is answered, even if the guest hangs up first (Slot).
         slot = cast(ChannelConnection, request.protocol).slot
         slot.request_started()
         try:
-            response: web.StreamResponse = await handler(request)
+            response = await self._route(request)
         except Refusal as refusal:
             return _refusal_response(refusal)
         except web.HTTPException as exc:
@@ -233,7 +221,28 @@ class ChannelServer:
             slot.request_ended()
         return response
 
-    async def _identify(self, request: web.Request) -> ExecutionPort:
+    async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Find the endpoint (docs/protocol.md, "Endpoints"), as aiohttp's router
+        would: on the path with ``%2F`` kept encoded, a call id decoded after.
+        A GET endpoint answers HEAD too."""
+        if request.headers.get("Expect") is not None:
+            refused = await _expect(request)
+            if refused is not None:
+                return refused
+        path, method = request.rel_url.path_safe, request.method
+        if path == "/v1/calls" and method == "POST":
+            return await self._post_call(request)
+        if method in ("GET", "HEAD"):
+            if path == "/v1/plan":
+                return await self._get_plan(request)
+            if path == OPENAPI_PATH:
+                return await self._get_openapi(request)
+            call_id = path.removeprefix("/v1/calls/")
+            if call_id != path and _CALL_ID_SEGMENT.fullmatch(call_id):
+                return await self._get_call(request, _unquote_path_safe(call_id))
+        return _no_such_route(request)
+
+    async def _identify(self, request: web.BaseRequest) -> ExecutionPort:
         execution = authenticate(request.headers, self._directory)
         if self._origin_check:
             if execution.guest_pid is None:
@@ -248,7 +257,7 @@ class ChannelServer:
             check_origin(connection.peer, execution, transport)
         return execution
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, request: web.BaseRequest) -> bytes:
         if request.content_type != "application/json":
             raise Refusal("unsupported_media_type", "Content-Type must be application/json")
         length = request.content_length
@@ -266,7 +275,7 @@ class ChannelServer:
                 "bad_request", f"the request body did not arrive within {self._idle_timeout_s} s"
             ) from None
 
-    async def _receive_body(self, request: web.Request, length: int | None) -> bytes:
+    async def _receive_body(self, request: web.BaseRequest, length: int | None) -> bytes:
         try:
             if length is not None:  # the common case: one read of a known size
                 return await request.content.readexactly(length)
@@ -280,21 +289,20 @@ class ChannelServer:
             # The guest hung up (or broke the framing) mid-body: its fault, not ours.
             raise Refusal("bad_request", f"the request body did not arrive whole: {exc}") from None
 
-    async def _post_call(self, request: web.Request) -> web.StreamResponse:
+    async def _post_call(self, request: web.BaseRequest) -> web.StreamResponse:
         execution = await self._identify(request)
         call = parse_call_request(await self._read_body(request))
         reply = await execution.broker.call(call.call_id, call.tool, call.args)
         return _json_response(reply)
 
-    async def _get_call(self, request: web.Request) -> web.StreamResponse:
+    async def _get_call(self, request: web.BaseRequest, call_id: str) -> web.StreamResponse:
         execution = await self._identify(request)
-        call_id = request.match_info["call_id"]
         if not is_valid_id(call_id):
             raise Refusal("bad_request", "call_id must be 1-128 characters of [A-Za-z0-9._:-]")
         wait_s = _parse_wait(request.query.get("wait"))
         return _json_response(await execution.broker.status(call_id, wait_s))
 
-    async def _get_plan(self, request: web.Request) -> web.StreamResponse:
+    async def _get_plan(self, request: web.BaseRequest) -> web.StreamResponse:
         execution = await self._identify(request)
         body = await execution.broker.plan_view()
         return web.Response(
@@ -302,7 +310,7 @@ class ChannelServer:
             content_type="application/json",
         )
 
-    async def _get_openapi(self, request: web.Request) -> web.StreamResponse:
+    async def _get_openapi(self, request: web.BaseRequest) -> web.StreamResponse:
         # Identity first, as on every request (docs/protocol.md): the socket serves
         # guests, and the document is in the repository for everyone else.
         await self._identify(request)
@@ -310,15 +318,24 @@ class ChannelServer:
 
 
 _KNOWN_PATHS: Final = re.compile(r"/v1/calls(/[^/]+)?|/v1/plan|" + re.escape(OPENAPI_PATH))
+#: What aiohttp's router took for ``{call_id}``.
+_CALL_ID_SEGMENT: Final = re.compile(r"[^{}/]+")
 
 
-async def _no_such_route(request: web.Request) -> web.StreamResponse:
+def _unquote_path_safe(segment: str) -> str:
+    """A path segment as aiohttp's router gives it to a handler."""
+    if "%" not in segment:
+        return segment
+    return segment.replace("%2F", "/").replace("%25", "%")
+
+
+def _no_such_route(request: web.BaseRequest) -> web.StreamResponse:
     if _KNOWN_PATHS.fullmatch(request.path):
         raise Refusal("method_not_allowed", f"{request.method} is not allowed on {request.path}")
     raise Refusal("not_found", f"no endpoint {request.path}")
 
 
-async def _expect(request: web.Request) -> web.StreamResponse | None:
+async def _expect(request: web.BaseRequest) -> web.StreamResponse | None:
     """``Expect: 100-continue`` as HTTP/1.1 asks; any other expectation is refused
     as a bad request (aiohttp's own answer to those is a plain-text 417, or a
     500 when the value is not ASCII)."""

@@ -227,6 +227,17 @@ async def test_a_revoked_tool_is_refused_for_new_calls_and_replays(
         ("GET", "/v1/calls/never_made?wait=0.2", 404, "not_found"),
         ("GET", "/v2/nothing", 404, "not_found"),
         ("DELETE", "/v1/calls/c1", 405, "method_not_allowed"),
+        # The channel routes requests itself, as aiohttp's router did (the
+        # answers of these were recorded from it).
+        ("GET", "/v1/calls", 405, "method_not_allowed"),
+        ("POST", "/v1/plan", 405, "method_not_allowed"),
+        ("OPTIONS", "/v1/calls", 405, "method_not_allowed"),
+        ("GET", "/v1/calls/", 404, "not_found"),
+        ("GET", "/v1/calls/a/b", 404, "not_found"),
+        ("GET", "/v1/plan/", 404, "not_found"),
+        ("GET", "/V1/plan", 404, "not_found"),
+        ("GET", "/v1/calls/a%2Fb", 400, "bad_request"),  # "a/b", not a valid id
+        ("GET", "/v1/calls/never%5Fmade", 404, "not_found"),  # "never_made", decoded
     ],
 )
 async def test_bad_paths_and_queries_get_their_codes(
