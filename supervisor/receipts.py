@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import operator
 from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,15 @@ _FIELDS: Final = (
 )
 _FIELD_SET: Final = frozenset(_FIELDS)
 _QUOTED_NAMES: Final = {name: _quote(name) + ":" for name in _FIELDS}
+#: The receipt of every call (make_receipt's fields, then prev_hash): its
+#: names quoted once, and the order JCS sorts them in (ASCII names sort the
+#: same by code point and by UTF-16 unit).
+_CALL_FIELDS: Final = _FIELDS[:-1]
+_CALL_NAMES: Final = tuple(_QUOTED_NAMES[name] for name in _CALL_FIELDS)
+_CALL_SORTED: Final = operator.itemgetter(
+    *sorted(range(len(_CALL_FIELDS)), key=_CALL_FIELDS.__getitem__)
+)
+_TEXT_OR_NULL: Final = frozenset({str, type(None)})
 
 
 def make_receipt(
@@ -106,20 +116,35 @@ def seal(receipt: Mapping[str, Any], prev_hash: str) -> tuple[bytes, str]:
     hash is of the JCS of everything but ``hash``.
     """
     sealed = {**receipt, "prev_hash": prev_hash}
-    quoted = _quoted(sealed)
-    if quoted is None:  # not only ASCII names and text or null values: the general path
-        sealed["hash"] = digest = sha256_hex(jcs(sealed))
-        line = json.dumps(sealed, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
-        return line, digest
     # Every receipt hostcall writes: each value quoted once, for the hash's
     # sorted JCS and for the line in its own order (one receipt per call).
+    pairs = _call_pairs(sealed)
+    if pairs is not None:
+        canonical = "{" + ",".join(_CALL_SORTED(pairs)) + "}"
+    else:
+        quoted = _quoted(sealed)
+        if quoted is None:  # not only ASCII names and text or null values: the general path
+            sealed["hash"] = digest = sha256_hex(jcs(sealed))
+            line = json.dumps(sealed, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+            return line, digest
+        canonical = "{" + ",".join([quoted[name] for name in sorted(quoted)]) + "}"
+        pairs = list(quoted.values())
     try:
-        canonical = ("{" + ",".join([quoted[name] for name in sorted(quoted)]) + "}").encode()
-        digest = sha256_hex(canonical)
-        line = ("{" + ",".join(quoted.values()) + f',"hash":"{digest}"}}\n').encode()
+        digest = sha256_hex(canonical.encode())
+        line = ("{" + ",".join(pairs) + f',"hash":"{digest}"}}\n').encode()
     except UnicodeEncodeError as exc:  # a lone surrogate: not JSON text
         raise ValueError(f"not canonical JSON: {exc}") from exc
     return line, digest
+
+
+def _call_pairs(fields: dict[str, Any]) -> list[str] | None:
+    """``"name":value`` of each field of a call's receipt (make_receipt's
+    fields in its order, text or null values), or None for any other."""
+    values = fields.values()
+    if tuple(fields) != _CALL_FIELDS or not _TEXT_OR_NULL.issuperset(map(type, values)):
+        return None
+    quoted = [_quote(v) if v is not None else "null" for v in values]
+    return list(map(operator.add, _CALL_NAMES, quoted))
 
 
 def _quoted(fields: Mapping[str, Any]) -> dict[str, str] | None:
