@@ -20,6 +20,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
 from channel.errors import Refusal, http_status_for
+from channel.frozen import fast_init
 from channel.ids import CALL_ID_PATTERN, is_valid_id
 
 __all__ = [
@@ -159,6 +160,7 @@ def is_tool_name(name: str) -> bool:
     return True
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CallReply:
     """What a guest gets back for one request; maps 1:1 to the JSON body."""

@@ -23,6 +23,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from channel.frozen import fast_init
 from channel.wire import CallReply
 from supervisor.activity import MAX_ARGS_BYTES, Activity, CallEntry
 from supervisor.admission import (
@@ -66,6 +67,7 @@ POLL_INTERVAL_S: Final = 0.05
 NOT_IN_PLAN: Final = "(not in plan)"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class _Call:
     call_id: str

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from channel.frozen import fast_init
+
 __all__ = [
     "BudgetLimits",
     "BudgetUse",
@@ -28,6 +30,7 @@ class BudgetLimits:
     tool_max_calls: Mapping[str, int] | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class BudgetUse:
     """What an invocation has used so far, over all its executions."""
@@ -37,6 +40,7 @@ class BudgetUse:
     tool_calls: Mapping[str, int] | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Charge:
     """Budget that ``begin`` takes in the same atomic step as its insert.

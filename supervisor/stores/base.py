@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from channel.frozen import fast_init
 from supervisor.budget import (
     BudgetLimits,
     BudgetUse,
@@ -47,6 +48,7 @@ class EffectStatus(enum.StrEnum):
     UNKNOWN = "unknown"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class EffectRecord:
     """The durable row for one ``(invocation_id, call_id)``."""
@@ -62,6 +64,7 @@ class EffectRecord:
     updated_at: float
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class StartCall:
     """What :meth:`EffectStore.begin` is asked to record."""
@@ -98,6 +101,7 @@ class StartCall:
         )
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Begun:
     """The result of ``begin``: whether this caller won, and the record as it is now.
@@ -112,6 +116,7 @@ class Begun:
     exhausted: Literal["limits", "deadline"] | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class InvocationRecord:
     """An invocation: its plan, when its deadline passes and its budget use."""
