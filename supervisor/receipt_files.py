@@ -20,7 +20,7 @@ from typing import Any
 
 from supervisor.receipts import GENESIS_HASH, make_receipt, seal
 
-__all__ = ["Commit", "ReceiptLog", "append_to", "fsync_path", "last_hash"]
+__all__ = ["Commit", "ReceiptLog", "append_to", "fsync_path", "last_hash", "write_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class ReceiptLog:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
                 weakref.finalize(self, os.close, self._fd)
-            _write_all(self._fd, data)
+            write_all(self._fd, data)
             if self._fsync:
                 os.fsync(self._fd)
                 if not self._folder_synced:  # the new file's entry in its folder, once
@@ -150,7 +150,7 @@ def append_to(path: Path, data: bytes, *, fsync: bool) -> None:
     """Append ``data`` to ``path`` (created ``0600``), all of it, then fsync."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        _write_all(fd, data)
+        write_all(fd, data)
         if fsync:
             os.fsync(fd)
     finally:
@@ -166,7 +166,8 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd``."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]

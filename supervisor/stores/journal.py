@@ -20,6 +20,7 @@ the sync step's: the store runs one at a time, never beside an inline commit.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -31,7 +32,7 @@ from typing import Any, Final, NamedTuple, Protocol
 
 from supervisor.errors import StoreUnavailable
 from supervisor.faults import crash_point
-from supervisor.receipt_files import append_to, fsync_path, last_hash
+from supervisor.receipt_files import append_to, fsync_path, last_hash, write_all
 from supervisor.receipts import GENESIS_HASH, seal
 
 __all__ = [
@@ -51,6 +52,9 @@ CHECKPOINT_ROWS: Final = 1024
 #: this, a checkpoint forgets the least recently written files' heads, which
 #: their files' last lines hold (read again if the file is written again).
 HEADS_KEPT: Final = 4096
+#: Receipt files kept open for appending (one per invocation recently
+#: written): no open and close, nor a path to parse, per line.
+FILES_KEPT: Final = 64
 #: More than any receipt line (ids and names are bounded): how far back a
 #: damaged tail is read past what the journal holds.
 _LONGEST_LINE: Final = 65536
@@ -102,6 +106,8 @@ class ReceiptJournal:
         self._op: list[tuple[Line, str]] = []
         self._dirty: set[str] = set()  # written since the last checkpoint
         self._broken: set[str] = set()  # could not be written: lines stay journaled
+        #: Descriptors of recently written files, least recently written first.
+        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._next_seq: int | None = None  # read from the table when first needed
         self._written_seq = 0  # every journal row up to this one is in its file
         #: Lines written to their files since the last checkpoint.
@@ -182,7 +188,7 @@ class ReceiptJournal:
             if path in self._broken:
                 continue
             try:
-                append_to(Path(path), b"".join(data), fsync=False)
+                write_all(self._fd(path), b"".join(data))
             except OSError as exc:
                 self._break(path, exc)
             else:
@@ -195,7 +201,11 @@ class ReceiptJournal:
         journal rows they now hold. Runs outside any other transaction."""
         for path in sorted(self._dirty):
             try:
-                fsync_path(path)
+                fd = self._fds.get(path)
+                if fd is not None:
+                    os.fsync(fd)
+                else:  # closed since: written through its name
+                    fsync_path(path)
             except OSError as exc:
                 self._break(path, exc)
         for folder in sorted({os.path.dirname(path) for path in self._dirty}):
@@ -218,6 +228,25 @@ class ReceiptJournal:
         self.unsynced = 0
         self._forget_heads()
 
+    def _fd(self, path: str) -> int:
+        """A descriptor that appends to ``path`` (created ``0600``), kept open."""
+        fd = self._fds.get(path)
+        if fd is not None:
+            self._fds.move_to_end(path)
+            return fd
+        if len(self._fds) >= FILES_KEPT:
+            os.close(self._fds.popitem(last=False)[1])
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._fds[path] = fd
+        return fd
+
+    def close(self) -> None:
+        """Close the files kept open (the store is closing: nothing is written after)."""
+        fds, self._fds = self._fds, collections.OrderedDict()
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def _forget_heads(self) -> None:
         """Keep at most ``heads_kept`` chain heads: forget the least recently
         committed ones whose last line is in its file (written: a broken
@@ -237,6 +266,10 @@ class ReceiptJournal:
 
     def _break(self, path: str, exc: OSError) -> None:
         # The lines stay in the journal; the next start writes them.
+        fd = self._fds.pop(path, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         if path not in self._broken:
             logger.error("cannot write receipts to %s (kept in the store's journal): %s", path, exc)
         self._broken.add(path)

@@ -119,6 +119,7 @@ class SQLiteEffectStore:
         self._wal_fd: int | None = None  # the WAL file, fsync'd after each commit
         self._closing = False
         self._failed: BaseException | None = None  # why the writer thread died
+        self._writer_gone = False  # set by the writer thread as it ends, however
         self._scheduled = False  # _start_batch is due on the loop
         self._idle = asyncio.Event()
         #: Held while a transaction or checkpoint uses the connection.
@@ -227,9 +228,11 @@ class SQLiteEffectStore:
                 lost = [future for future, _, _ in held]
                 self._loop.call_soon_threadsafe(self._writer_died, failed, lost)
         finally:
+            self._writer_gone = True
             # Not under the loop's feet: it may be running a batch right now.
             if self._busy.acquire(timeout=CLOSE_DRAIN_S):
                 conn.close()
+                self._journal.close()
                 self._busy.release()
             else:
                 logger.error("effect store %s: left open, its connection stayed busy", self.path)
@@ -333,7 +336,7 @@ class SQLiteEffectStore:
         """
         if self._thread is None or self._loop is None:
             raise RuntimeError("SQLiteEffectStore used before open() or after close()")
-        if self._failed is not None or not self._thread.is_alive():
+        if self._failed is not None or self._writer_gone:
             raise StoreUnavailable(f"effect store {self.path}: its writer thread has stopped")
         active = self._active_requests
         if (
@@ -495,6 +498,7 @@ class SQLiteEffectStore:
         self._journal = ReceiptJournal()
         self._pending, self._scheduled, self._syncing, self._commits = [], False, 0, 0
         self._closing, self._failed, self._checkpoint_asked = False, None, False
+        self._writer_gone = False
         self._thread = threading.Thread(
             target=self._serve, args=(conn, self._wal_fd), name="hostcall-sqlite", daemon=True
         )

@@ -345,6 +345,7 @@ def test_the_journal_holds_a_bounded_number_of_chain_heads_and_every_chain_conti
     for path in files:
         journal.write(commit(path, "c4"))
     journal.checkpoint(conn)
+    journal.close()
     conn.close()
 
     assert journal.heads <= 4
@@ -352,3 +353,36 @@ def test_the_journal_holds_a_bounded_number_of_chain_heads_and_every_chain_conti
         expected = ["c0", "c1", "c2", "c3", "c4"] if n < 6 else ["c0", "c1", "c2", "c4"]
         assert _call_ids(path) == expected
         assert verify_chain(path) == (len(expected), None)
+
+
+def test_receipt_files_stay_open_for_appending_and_no_more_of_them_than_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each line is appended through a kept descriptor (no open and close per
+    # call); past FILES_KEPT the least recently written file is closed, and a
+    # checkpoint still fsyncs it, through its name.
+    monkeypatch.setattr("supervisor.stores.journal.FILES_KEPT", 2)
+    before = len(os.listdir("/proc/self/fd"))
+    conn = sqlite3.connect(tmp_path / "journal.db", isolation_level=None)
+    conn.executescript(JOURNAL_SCHEMA)
+    journal = ReceiptJournal()
+    files = [tmp_path / "receipts" / f"inv_{n}.jsonl" for n in range(5)]
+    connected = len(os.listdir("/proc/self/fd"))
+    try:
+        for turn in range(2):
+            for path in files:
+                conn.execute("BEGIN IMMEDIATE")
+                journal.add(conn, path, _receipt(f"c{turn}"))
+                journal.end_op(kept=True)
+                conn.execute("COMMIT")
+                journal.write(journal.committed())
+                assert len(os.listdir("/proc/self/fd")) - connected <= 2
+        journal.checkpoint(conn)
+    finally:
+        journal.close()
+        conn.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+    for path in files:
+        assert _call_ids(path) == ["c0", "c1"]
+        assert verify_chain(path) == (2, None)
+    assert _journal_rows(tmp_path / "journal.db") == []
