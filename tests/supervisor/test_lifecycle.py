@@ -296,9 +296,9 @@ for i in range(3):
 
 def _open_fds(transient: Path | None = None) -> list[str]:
     """What this process's descriptors point at, but those under ``transient``:
-    the store's writer thread opens a receipt file (or its folder) for one
-    append or fsync at a time, whenever it is idle — never kept, but it may be
-    open at the moment we look."""
+    the store keeps receipt files open for appending (at most ``FILES_KEPT``)
+    and opens their folder for an fsync whenever its writer thread is idle;
+    it closes them all when it closes."""
     targets = []
     for fd in os.listdir("/proc/self/fd"):
         try:
