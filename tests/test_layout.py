@@ -61,6 +61,7 @@ PURE = {
     "supervisor.stores.base",
     "supervisor.timestamps",
     "channel.errors",
+    "channel.frozen",
     "channel.ids",
 }
 #: Modules that do I/O: sockets, processes, threads, files by descriptor, databases.
