@@ -271,13 +271,44 @@ class SQLiteEffectStore:
     # -- transactions (the caller holds _busy) --------------------------------
 
     def _begin_batch(self, conn: sqlite3.Connection, ops: list[_Op]) -> tuple[list[_Outcome], bool]:
-        """``BEGIN`` and run ``ops``, each in its own savepoint when there are
-        several, so one failing op does not undo its neighbours. Returns each
-        op's result or error, and whether a transaction is open to commit."""
+        """``BEGIN`` and run ``ops``. Returns each op's result or error, and
+        whether a transaction is open to commit.
+
+        Ops rarely fail, and a savepoint per op costs two statements: a
+        batch runs without them first. If one op fails, the transaction is
+        rolled back (and the receipt lines it chained forgotten) and the
+        batch runs again with each op in its own savepoint, so the failing
+        one does not undo its neighbours. Ops are statements on the
+        database and the journal's chain, nothing else: running them again
+        gives the same results.
+        """
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            self._abort(conn)
+            return [(None, exc) for _ in ops], False
+        if len(ops) > 1:
+            try:
+                outcomes: list[_Outcome] = []
+                for op in ops:
+                    outcomes.append((op(conn), None))
+                    self._journal.end_op(kept=True)
+                return outcomes, True
+            except Exception:  # boundary: whichever op failed, each runs again below
+                self._abort(conn)
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                self._abort(conn)
+                return [(None, exc) for _ in ops], False
+        return self._run_each(conn, ops)
+
+    def _run_each(self, conn: sqlite3.Connection, ops: list[_Op]) -> tuple[list[_Outcome], bool]:
+        """Run ``ops`` in the open transaction, each in its own savepoint when
+        there are several (see :meth:`_begin_batch`)."""
         outcomes: list[_Outcome] = []
         alone = len(ops) == 1  # no neighbours to protect: no savepoint
         try:
-            conn.execute("BEGIN IMMEDIATE")
             for op in ops:
                 if not alone:
                     conn.execute("SAVEPOINT op")

@@ -994,11 +994,33 @@ async def test_sqlite_a_failing_operation_in_a_batch_does_not_undo_its_neighbour
     assert c0 is not None
     assert c0.status is EffectStatus.PENDING  # … and so was the constraint violation
     assert sorted(r.call_id for r in listed) == [f"{p}{i}" for p in "cd" for i in range(5)]
-    # They really shared one transaction: one BEGIN and one COMMIT for all twelve.
+    # They really shared one transaction: the batch ran without savepoints
+    # first, was rolled back when an op failed, then ran again with one
+    # savepoint per op — one BEGIN and one COMMIT for all twelve.
     first = statements.index("BEGIN IMMEDIATE")  # the batch after the one that set the trace
+    commit = statements.index("COMMIT", first)
+    assert "ROLLBACK" in statements[first:commit]
+    assert statements[first:commit].count("SAVEPOINT op") == 12
+    last = max(i for i in range(first, commit) if statements[i] == "BEGIN IMMEDIATE")
+    assert statements[last:commit].count("SAVEPOINT op") == 12
+
+
+async def test_sqlite_a_batch_whose_ops_all_succeed_takes_no_savepoint(
+    sqlite_store: SQLiteEffectStore,
+) -> None:
+    statements: list[str] = []
+    async with asyncio.timeout(STEP_S):
+        await sqlite_store._run(lambda conn: conn.set_trace_callback(statements.append))
+        begun = await asyncio.gather(*(sqlite_store.begin(start(f"c{i}"), 1.0) for i in range(8)))
+        await sqlite_store._run(lambda conn: conn.set_trace_callback(None))
+        listed = await sqlite_store.calls(INV)
+    assert all(b.won for b in begun)
+    assert sorted(r.call_id for r in listed) == [f"c{i}" for i in range(8)]
+    first = statements.index("BEGIN IMMEDIATE")
     batch = statements[first : statements.index("COMMIT", first) + 1]
     assert batch.count("BEGIN IMMEDIATE") == 1
-    assert batch.count("SAVEPOINT op") == 12
+    assert "SAVEPOINT op" not in batch
+    assert sum(s.startswith("INSERT INTO effects") for s in batch) == 8
 
 
 async def test_sqlite_a_directory_in_place_of_the_database_is_store_unavailable(
