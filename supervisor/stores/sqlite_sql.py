@@ -12,7 +12,7 @@ import json
 import sqlite3
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from supervisor.budget import BudgetLimits, BudgetUse, Charge, budget_allows, charge_refusal
 from supervisor.errors import StoreUnavailable
@@ -175,20 +175,22 @@ def reserve(
     return True
 
 
-def use(conn: sqlite3.Connection, invocation_id: str, tool: str, calls: int, cost: float) -> None:
+def use(conn: sqlite3.Connection, invocation_id: str, tool: str, calls: int, cost: float) -> bool:
+    """Count ``calls`` and ``cost`` against the invocation; whether it exists."""
     updated = conn.execute(
         "UPDATE invocations SET calls_used = calls_used + ?, cost_used = cost_used + ?"
         " WHERE invocation_id = ?",
         (calls, cost, invocation_id),
     ).rowcount
     if updated != 1:
-        return  # no such invocation: no per-tool row for one that may be opened later
+        return False  # no such invocation: no per-tool row for one that may be opened later
     conn.execute(
         "INSERT INTO tool_usage (invocation_id, tool, calls_used) VALUES (?, ?, ?)"
         " ON CONFLICT (invocation_id, tool)"
         " DO UPDATE SET calls_used = calls_used + excluded.calls_used",
         (invocation_id, tool, calls),
     )
+    return True
 
 
 def begin(conn: sqlite3.Connection, start: StartCall, now: float, charge: Charge | None) -> Begun:
@@ -223,7 +225,7 @@ def begin(conn: sqlite3.Connection, start: StartCall, now: float, charge: Charge
         if not start.reruns(existing):
             return Begun(False, existing)
     if charge is not None:
-        refused = charge_refusal(charge, budget_use(conn, start.invocation_id, charge.tool), now)
+        refused = _charge(conn, start.invocation_id, charge, now)
         if refused is not None:
             if inserted:
                 conn.execute(
@@ -231,7 +233,6 @@ def begin(conn: sqlite3.Connection, start: StartCall, now: float, charge: Charge
                     (start.invocation_id, start.call_id),
                 )
             return Begun(False, existing, refused)
-        use(conn, start.invocation_id, charge.tool, 1, charge.cost)
     if not inserted:
         changed = conn.execute(
             "UPDATE effects SET status = 'pending', execution_id = ?, updated_at = ?"
@@ -241,6 +242,24 @@ def begin(conn: sqlite3.Connection, start: StartCall, now: float, charge: Charge
         if changed != 1:
             raise sqlite3.IntegrityError("begin lost a race it cannot lose")
     return Begun(True, start.pending_record(existing, now))
+
+
+def _charge(
+    conn: sqlite3.Connection, invocation_id: str, charge: Charge, now: float
+) -> Literal["limits", "deadline"] | None:
+    """Take ``charge`` from the invocation's budget, or say why it does not
+    fit (:func:`~supervisor.budget.charge_refusal`'s answer). A plan without
+    limits only needs the invocation's row to be there: the update that
+    counts the call finds it, without reading the budget first."""
+    limits = charge.limits
+    if limits.max_calls is None and limits.max_cost is None and not limits.tool_max_calls:
+        if charge.deadline_at is not None and now >= charge.deadline_at:
+            return "deadline"
+        return None if use(conn, invocation_id, charge.tool, 1, charge.cost) else "limits"
+    refused = charge_refusal(charge, budget_use(conn, invocation_id, charge.tool), now)
+    if refused is None:
+        use(conn, invocation_id, charge.tool, 1, charge.cost)
+    return refused
 
 
 def budget_use(conn: sqlite3.Connection, invocation_id: str, tool: str) -> BudgetUse | None:

@@ -427,6 +427,23 @@ async def test_begin_with_a_charge_that_does_not_fit_inserts_nothing_and_says_wh
     assert after == before
 
 
+@pytest.mark.parametrize(
+    "limits", [BudgetLimits(), BudgetLimits(max_calls=5)], ids=["no limits", "limits"]
+)
+async def test_begin_with_a_charge_for_an_invocation_never_opened_inserts_nothing(
+    store: EffectStore, limits: BudgetLimits
+) -> None:
+    stranger = StartCall("inv_never", "c1", "charge", KEY, "exe_1", reversible=False)
+    async with asyncio.timeout(STEP_S):
+        refused = await store.begin(stranger, 1.0, charge(limits))
+        missing = await store.get("inv_never", "c1")
+        invocation = await store.get_invocation("inv_never")
+
+    assert (refused.won, refused.record, refused.exhausted) == (False, None, "limits")
+    assert missing is None
+    assert invocation is None
+
+
 async def test_begin_with_a_charge_for_a_call_that_has_a_record_takes_nothing(
     store: EffectStore,
 ) -> None:
