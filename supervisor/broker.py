@@ -55,6 +55,7 @@ from supervisor.stores.base import (
     StartCall,
     budget_left,
 )
+from supervisor.timeouts import Deadline
 from supervisor.tools import Tool
 
 __all__ = ["Broker"]
@@ -414,7 +415,7 @@ class Broker:
         ambiguous: tuple[type[BaseException], ...] = (*tool.ambiguous_errors, TimeoutError)
         unknown = self.store.mark_unknown
         try:
-            async with asyncio.timeout(tool.timeout_s):
+            async with Deadline(tool.timeout_s):
                 raw = await self._invoke(tool, call.model)
         except asyncio.CancelledError:
             # The supervisor is shutting down mid-handler: the outcome is in doubt.

@@ -214,6 +214,33 @@ async def test_a_cyclic_result_is_result_invalid_and_the_supervisor_serves_on(
     assert ledger.runs["cyclic"] == 1
 
 
+async def test_a_handler_past_its_time_limit_is_cancelled_and_its_outcome_is_unknown(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    # An irreversible call whose handler outlives the tool's timeout_s may
+    # have had its effect: ambiguous, unknown, and never run again.
+    @tool(reversibility="irreversible", timeout_s=0.2)
+    async def hangs() -> str:
+        ledger.record("hangs")
+        try:
+            await asyncio.Event().wait()  # until the time limit cancels it
+        except asyncio.CancelledError:
+            ledger.record("hangs cancelled")
+            raise
+        return "never"
+
+    plan = Plan([hangs, _echo], name="time-limit-test")
+    async with driven_guest(sup, plan) as guest:
+        first = await guest.call("t1", "hangs", {})
+        retry = await guest.call("t1", "hangs", {})
+        after = await guest.call("t2", "echo", {"text": "still here"})
+    for reply in (first, retry):
+        assert reply["status"] == 409
+        assert (reply["body"]["status"], reply["body"]["effect"]) == ("ambiguous", "unknown")
+    assert after["status"] == 200 and after["body"]["result"] == "still here"
+    assert (ledger.runs["hangs"], ledger.runs["hangs cancelled"]) == (1, 1)
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_a_handler_that_raises_system_exit_is_a_tool_error_not_the_end(
     sup: Supervisor, ledger: Ledger, kind: str
