@@ -142,6 +142,35 @@ async def test_an_operator_rejects_with_a_reason_and_the_call_is_refused(
     assert "wrong account" in text and "console" in text  # the reason, who decided
 
 
+async def test_a_click_held_while_a_notice_arrives_still_decides(
+    served: Served, ledger: Ledger, page: Any
+) -> None:
+    # The page re-renders on every notice. A button replaced between its
+    # mousedown and mouseup gets no click: the operator's decision was lost.
+    plan = billing_plan(ledger, require_approval_for_irreversible=True)
+    async with driven_guest(served.sup, plan) as guest:
+        await page.goto(url(served, "approvals"))
+        first = asyncio.ensure_future(guest.call("c1", "charge", {"account": "a", "cents": 1}))
+        card = await waiting_card(page)
+        await page.wait_for_selector("#connection.live")
+        box = await card.get_by_role("button", name="Approve").bounding_box()
+        assert box is not None
+        await page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        await page.mouse.down()
+        second = asyncio.ensure_future(guest.call("c2", "charge", {"account": "b", "cents": 2}))
+        # The badge is drawn by every render, held or not: the notice is in.
+        await page.locator("#waiting-count", has_text="2").wait_for()
+        await page.mouse.up()
+        reply = await asyncio.wait_for(first, STEP_TIMEOUT_S)
+        await page.locator('[data-proposal][data-state="dispatched"]').wait_for()
+        waiting = await page.locator('[data-proposal][data-state="waiting"]').count()
+        served.sup.approvals.reject(served.sup.approvals.list("waiting")[0].id)
+        await asyncio.wait_for(second, STEP_TIMEOUT_S)
+    assert reply["status"] == 200 and reply["body"]["effect"] == "executed"
+    assert ledger.runs["charge"] == 1
+    assert waiting == 1  # c2, drawn once the button was let go
+
+
 async def test_a_lease_counts_down_and_the_page_shows_it_expired(
     served: Served, ledger: Ledger, page: Any
 ) -> None:

@@ -138,6 +138,30 @@ function connect() {
 
 // -- views -----------------------------------------------------------------------
 
+// A render replaces the view's nodes. It waits while the operator types a
+// reason (it would wipe the text) or holds a button down: a button replaced
+// between its mousedown and mouseup gets no click, so a decision made just as
+// a notice arrived would be lost. The wait is bounded (POINTER_HOLD_MS), and
+// the skipped render runs once the operator lets go.
+const POINTER_HOLD_MS = 5000;
+let pointerDownAt = null;
+let deferred = false;
+function operatorBusy() {
+  const focused = document.activeElement;
+  if (focused && focused.classList.contains("reason")) return true;
+  return pointerDownAt !== null && Date.now() - pointerDownAt < POINTER_HOLD_MS;
+}
+function renderIfDeferred() { if (deferred) render(); }
+function released() {
+  pointerDownAt = null;
+  setTimeout(renderIfDeferred, 0); // after this press's click event
+}
+document.addEventListener("pointerdown", () => { pointerDownAt = Date.now(); }, true);
+document.addEventListener("pointerup", released, true);
+document.addEventListener("pointercancel", released, true);
+window.addEventListener("blur", released);
+document.addEventListener("focusout", () => setTimeout(renderIfDeferred, 0));
+
 function render() {
   const { view, id } = route();
   for (const link of document.querySelectorAll("nav a")) {
@@ -151,8 +175,8 @@ function render() {
   document.title = waiting ? `(${waiting}) hostcall console` : "hostcall console";
 
   const main = document.getElementById("view");
-  const focused = document.activeElement;
-  if (focused && focused.classList.contains("reason")) return; // do not wipe what is being typed
+  if (operatorBusy()) { deferred = true; return; }
+  deferred = false;
   const content = [];
   if (state.error) content.push(el("p", { class: "error" }, `Could not read the supervisor: ${state.error}`));
   if (view === "approvals") content.push(approvalsView());
