@@ -10,6 +10,13 @@ loop) would leave zombies behind for the life of the process.
 So one daemon thread of the process waits for all of them: it polls their
 pidfds, reaps each as it exits, and calls back (the caller hands the result
 to its loop). It never waits for a pid it was not given.
+
+A sandbox's pid 1 can exit while it is still the monitor's child: its pidfd
+is readable, but it is not ours to wait for yet. bubblewrap's monitor ends
+as soon as pid 1 reports the guest's exit status, without waiting for it, so
+a moment later the zombie is handed to us. Such a process is kept and tried
+again after every reap (the monitor's own hands its children over first) and
+every second, until it is ours or its parent has reaped it.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import threading
 from collections.abc import Callable
 from typing import ClassVar, Final
@@ -25,6 +33,10 @@ __all__ = ["Reaper"]
 
 #: How long the thread sleeps when it has nothing to watch but its wake pipe.
 _IDLE_POLL_MS: Final = 60_000
+#: How often an exited process that is not ours yet is tried again.
+_UNCLAIMED_POLL_MS: Final = 1_000
+
+_OnExit = Callable[[int | None], None]
 
 
 class Reaper:
@@ -36,7 +48,9 @@ class Reaper:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         #: pidfd -> (pid, callback with the wait status, or None if not ours)
-        self._watched: dict[int, tuple[int, Callable[[int | None], None] | None]] = {}
+        self._watched: dict[int, tuple[int, _OnExit | None]] = {}
+        #: exited, but not our child yet (the reaper's thread only)
+        self._unclaimed: dict[int, tuple[int, _OnExit | None]] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._run, name="hostcall-reaper", daemon=True)
         self._thread.start()
@@ -49,9 +63,7 @@ class Reaper:
                 cls._instance = cls()
             return cls._instance
 
-    def watch(
-        self, pid: int, pidfd: int, on_exit: Callable[[int | None], None] | None = None
-    ) -> None:
+    def watch(self, pid: int, pidfd: int, on_exit: _OnExit | None = None) -> None:
         """Reap the process ``pidfd`` (which the reaper now owns) pins when it
         exits; then ``on_exit(returncode)`` on the reaper's thread — ``-N`` for
         signal N as ``subprocess`` says it, ``None`` if it was not our child to
@@ -72,27 +84,53 @@ class Reaper:
             for fd in current - registered:
                 poller.register(fd, select.POLLIN)
             registered = current
-            for fd, _ in poller.poll(_IDLE_POLL_MS):
+            timeout_ms = _UNCLAIMED_POLL_MS if self._unclaimed else _IDLE_POLL_MS
+            for fd, _ in poller.poll(timeout_ms):
                 if fd == self._wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
                     continue
-                self._exited(fd)
                 poller.unregister(fd)
                 registered.discard(fd)
+                with self._lock:
+                    self._unclaimed[fd] = self._watched.pop(fd)
+            if self._unclaimed:
+                self._reap_exited()
 
-    def _exited(self, pidfd: int) -> None:
-        with self._lock:
-            _pid, on_exit = self._watched.pop(pidfd)
-        returncode: int | None = None
-        try:
-            # A pidfd is readable once its process has exited: this does not block.
-            info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
-        except ChildProcessError:
-            info = None  # not ours (its own parent reaps it), or reaped already
-        if info is not None:
-            exited = info.si_code == os.CLD_EXITED
-            returncode = info.si_status if exited else -info.si_status
-        os.close(pidfd)
-        if on_exit is not None:
-            on_exit(returncode)
+    def _reap_exited(self) -> None:
+        """Reap every exited process that is ours now, then call back for
+        each one done with: reaped here, or by its own parent."""
+        done: list[tuple[_OnExit | None, int | None]] = []
+        for pidfd, (_pid, on_exit) in list(self._unclaimed.items()):
+            try:
+                # A pidfd is readable once its process has exited: this does not block.
+                info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+            except ChildProcessError:
+                if _exists(pidfd):
+                    continue  # a zombie whose parent lives: ours once that parent ends
+                info = None  # reaped by its own parent
+            else:
+                if info is None:
+                    continue  # not exited after all
+            del self._unclaimed[pidfd]
+            os.close(pidfd)
+            returncode: int | None = None
+            if info is not None:
+                exited = info.si_code == os.CLD_EXITED
+                returncode = info.si_status if exited else -info.si_status
+            done.append((on_exit, returncode))
+        for on_exit, returncode in done:
+            if on_exit is not None:
+                on_exit(returncode)
+
+
+def _exists(pidfd: int) -> bool:
+    """Whether the process still exists, a zombie included (signal 0 checks
+    only that; a reaped process is gone)."""
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -97,6 +97,12 @@ class Sandboxed:
                 gone = False
             finally:
                 loop.remove_reader(self.pidfd)
+            if gone:
+                # Ours if the monitor ended first: reap it now rather than when
+                # the reaper's thread gets to it, so no zombie outlives the stop.
+                # Still the monitor's child otherwise; the reaper takes it over.
+                with contextlib.suppress(ChildProcessError):
+                    os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)  # noqa: ASYNC222 - WNOHANG
         return gone
 
     def close(self) -> None:
