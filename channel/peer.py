@@ -123,7 +123,8 @@ def pid_namespace(pid: int | str) -> int:
 
 
 def still_alive(pidfd: int) -> bool:
-    """Whether the process a pidfd pins has not exited (its pid is still its own)."""
+    """Whether the process a pidfd pins still holds its pid: it runs, or it has
+    exited and nobody has reaped it yet (a zombie)."""
     try:
         signal.pidfd_send_signal(pidfd, 0)
     except ProcessLookupError:

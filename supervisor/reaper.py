@@ -24,10 +24,11 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import signal
 import threading
 from collections.abc import Callable
 from typing import ClassVar, Final
+
+from channel.peer import still_alive
 
 __all__ = ["Reaper"]
 
@@ -106,8 +107,8 @@ class Reaper:
                 # A pidfd is readable once its process has exited: this does not block.
                 info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
             except ChildProcessError:
-                if _exists(pidfd):
-                    continue  # a zombie whose parent lives: ours once that parent ends
+                if still_alive(pidfd):
+                    continue  # a zombie whose parent lives: ours when that parent ends
                 info = None  # reaped by its own parent
             else:
                 if info is None:
@@ -122,15 +123,3 @@ class Reaper:
         for on_exit, returncode in done:
             if on_exit is not None:
                 on_exit(returncode)
-
-
-def _exists(pidfd: int) -> bool:
-    """Whether the process still exists, a zombie included (signal 0 checks
-    only that; a reaped process is gone)."""
-    try:
-        signal.pidfd_send_signal(pidfd, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
