@@ -30,6 +30,7 @@ import contextlib
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
         calls = int(args.calls)
         return uvloop.run(serve(args.store, calls, args.state_dir))
+    if shutil.which("valgrind") is None:
+        raise SystemExit("instructions: needs valgrind (Debian: apt-get install valgrind)")
     low, high = (int(n) for n in args.calls.split(","))
     if not 0 < low < high:
         parser.error("--calls must be N1,N2 with 0 < N1 < N2")
