@@ -52,6 +52,7 @@ from supervisor.stores.base import (
     EffectRecord,
     EffectStatus,
     EffectStore,
+    NotPending,
     StartCall,
     budget_left,
 )
@@ -497,6 +498,13 @@ class Broker:
         except StoreUnavailable as exc:
             # It ran, but we could not record it: the row stays pending and
             # becomes unknown at the next start. Never claim it did not run.
+            logger.error("call %s ran but could not be committed: %s", call.call_id, exc)
+            reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
+            return _Outcome(reply, ReceiptOutcome.UNKNOWN, approval_id=approval_id)
+        except NotPending as exc:
+            # Another supervisor took the record from us (a replica whose lease
+            # ran out is taken for dead) and says the outcome is in doubt: so
+            # does the reply, or a retry would contradict it. Not ours to mark.
             logger.error("call %s ran but could not be committed: %s", call.call_id, exc)
             reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
             return _Outcome(reply, ReceiptOutcome.UNKNOWN, approval_id=approval_id)

@@ -12,6 +12,7 @@ from supervisor.stores.base import (
     EffectStatus,
     EffectStore,
     InvocationRecord,
+    NotPending,
     StartCall,
 )
 from supervisor.stores.memory import MemoryEffectStore
@@ -29,6 +30,7 @@ __all__ = [
     "EffectStore",
     "InvocationRecord",
     "MemoryEffectStore",
+    "NotPending",
     "PostgresEffectStore",
     "SQLiteEffectStore",
     "StartCall",

@@ -33,11 +33,20 @@ __all__ = [
     "EffectStatus",
     "EffectStore",
     "InvocationRecord",
+    "NotPending",
     "StartCall",
     "budget_allows",
     "budget_left",
     "charge_refusal",
 ]
+
+
+class NotPending(Exception):
+    """:meth:`EffectStore.commit` found the call's record no longer ``pending``:
+    another supervisor took this one for dead (a replica whose lease ran out)
+    and turned it ``unknown``, or began it again. Nothing was written, and the
+    record says the outcome is in doubt, so the guest must be told that too:
+    ``ambiguous`` ``unknown``, never ``executed``."""
 
 
 class EffectStatus(enum.StrEnum):
@@ -212,7 +221,12 @@ class EffectStore(Protocol):
     async def commit(
         self, invocation_id: str, call_id: str, response: Mapping[str, Any], now: float
     ) -> None:
-        """Turn a ``pending`` record ``committed`` with the response to replay."""
+        """Turn a ``pending`` record ``committed`` with the response to replay.
+
+        Raises:
+            NotPending: the record is not (or no longer this store's) ``pending``;
+                nothing was written.
+        """
         ...
 
     async def mark_unknown(self, invocation_id: str, call_id: str, now: float) -> None:

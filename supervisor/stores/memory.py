@@ -19,6 +19,7 @@ from supervisor.stores.base import (
     EffectRecord,
     EffectStatus,
     InvocationRecord,
+    NotPending,
     StartCall,
     budget_allows,
     charge_refusal,
@@ -125,28 +126,31 @@ class MemoryEffectStore:
         status: EffectStatus,
         now: float,
         response: Mapping[str, Any] | None = None,
-    ) -> None:
+    ) -> bool:
+        """Whether the record was ``pending`` (and now has ``status``)."""
         record = self._records.get(key)
-        if record is not None and record.status is EffectStatus.PENDING:
-            self._records[key] = EffectRecord(
-                record.invocation_id,
-                record.call_id,
-                record.tool,
-                record.idempotency_key,
-                status,
-                record.execution_id,
-                response,
-                record.created_at,
-                now,
-            )
+        if record is None or record.status is not EffectStatus.PENDING:
+            return False
+        self._records[key] = EffectRecord(
+            record.invocation_id,
+            record.call_id,
+            record.tool,
+            record.idempotency_key,
+            status,
+            record.execution_id,
+            response,
+            record.created_at,
+            now,
+        )
+        return True
 
     async def commit(
         self, invocation_id: str, call_id: str, response: Mapping[str, Any], now: float
     ) -> None:
         with self._lock:
-            self._update_pending(
-                (invocation_id, call_id), EffectStatus.COMMITTED, now, dict(response)
-            )
+            key = (invocation_id, call_id)
+            if not self._update_pending(key, EffectStatus.COMMITTED, now, dict(response)):
+                raise NotPending(f"the record of {call_id} is no longer pending")
 
     async def mark_unknown(self, invocation_id: str, call_id: str, now: float) -> None:
         with self._lock:

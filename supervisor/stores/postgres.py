@@ -48,6 +48,7 @@ from supervisor.stores.base import (
     Charge,
     EffectRecord,
     InvocationRecord,
+    NotPending,
     StartCall,
     charge_refusal,
 )
@@ -583,9 +584,10 @@ class PostgresEffectStore:
             return None
         return Begun(False, record)
 
-    async def _settle(self, sql: str, key: _Key, *args: Any) -> None:
+    async def _settle(self, sql: str, key: _Key, *args: Any) -> bool:
         """Write the outcome of a pending record (only the attempt this replica
-        won, if it won one); if the write fails, the heartbeat makes it unknown."""
+        won, if it won one); if the write fails, the heartbeat makes it unknown.
+        Whether a record was written."""
         attempt = self._won.pop(key, None)
         try:
             async with self._conn() as conn:
@@ -599,24 +601,22 @@ class PostgresEffectStore:
             if attempt is not None:
                 self._stranded[key] = attempt
             raise
-        if attempt is not None and status.endswith(" 0"):
+        written = not status.endswith(" 0")
+        if attempt is not None and not written:
             logger.warning(
                 "call %s of %s: its record was no longer this replica's pending attempt"
                 " (its lease ran out?); the outcome was not recorded",
                 key[1],
                 key[0],
             )
+        return written
 
     async def commit(
         self, invocation_id: str, call_id: str, response: Mapping[str, Any], now: float
     ) -> None:
         text = compact_json(response)
-        await self._settle(
-            COMMIT,
-            (invocation_id, call_id),
-            text,
-            float(now),
-        )
+        if not await self._settle(COMMIT, (invocation_id, call_id), text, float(now)):
+            raise NotPending(f"the record of {call_id} is no longer this replica's pending one")
 
     async def mark_unknown(self, invocation_id: str, call_id: str, now: float) -> None:
         await self._settle(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import queue
@@ -92,9 +93,12 @@ CLOSE_DRAIN_S: Final = 30.0
 class SQLiteEffectStore:
     """:class:`~supervisor.stores.base.EffectStore` in a SQLite file.
 
-    One supervisor per database (the state dir's lock guarantees it), so on
-    :meth:`open` every ``pending`` row is a leftover of a crash and becomes
-    ``unknown``.
+    One supervisor per database: from :meth:`open` to :meth:`close` the store
+    holds an exclusive lock on the file ``<database>-lock``, and a second
+    store on the same database (another supervisor, whatever its state dir:
+    ``--store sqlite:///PATH`` may name one file from several) is refused.
+    So on :meth:`open` every ``pending`` row is a leftover of a crash and
+    becomes ``unknown``.
     """
 
     #: Records survive the process (receipts share its transactions:
@@ -117,6 +121,7 @@ class SQLiteEffectStore:
         self._commits = 0  # batches since the last WAL checkpoint (both threads: approximate)
         self._checkpoint_asked = False  # _CHECKPOINT is queued, not yet done
         self._wal_fd: int | None = None  # the WAL file, fsync'd after each commit
+        self._lock_fd: int | None = None  # <database>-lock, held from open() to close()
         self._closing = False
         self._failed: BaseException | None = None  # why the writer thread died
         self._writer_gone = False  # set by the writer thread as it ends, however
@@ -510,17 +515,25 @@ class SQLiteEffectStore:
         self._active_requests = active_requests
 
     async def open(self) -> int:
-        if self._thread is not None:
+        if self._thread is not None or self._lock_fd is not None:
             raise RuntimeError("SQLiteEffectStore.open() called twice")
         try:
+            self._lock_fd = await asyncio.to_thread(_lock, self.path)
             conn = await asyncio.to_thread(self._connect)
         except (sqlite3.Error, OSError) as exc:  # OSError: the folder cannot be made
+            self._unlock()
             raise StoreUnavailable(f"cannot open effect store {self.path}: {exc}") from exc
+        except BaseException:
+            self._unlock()
+            raise
         try:
             self._wal_fd = await asyncio.to_thread(self._open_wal, conn)
-        except (sqlite3.Error, OSError) as exc:
+        except BaseException as exc:
             conn.close()
-            raise StoreUnavailable(f"cannot open effect store {self.path}: {exc}") from exc
+            self._unlock()
+            if isinstance(exc, (sqlite3.Error, OSError)):
+                raise StoreUnavailable(f"cannot open effect store {self.path}: {exc}") from exc
+            raise
         self._loop = asyncio.get_running_loop()
         self._conn = conn
         self._idle = asyncio.Event()
@@ -561,6 +574,16 @@ class SQLiteEffectStore:
             self._wal_fd = None  # the writer closed it
             # A batch the writer never took (it failed first) fails too.
             self._fail_queued(self._failed or sqlite3.OperationalError("the store was closed"))
+        self._unlock()
+
+    def _unlock(self) -> None:
+        """Let the next store open the database (its connection is closed,
+        or left to a writer that could not close it, which writes no more)."""
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)
 
     # -- invocations and budget -------------------------------------------
 
@@ -644,6 +667,39 @@ def _settle(outcomes: list[_Settled]) -> None:
             future.set_exception(error)
         else:
             future.set_result(result)
+
+
+def _lock(database: Path) -> int:
+    """Take the exclusive lock of ``database`` (the file ``<database>-lock``
+    beside the file a symlink names, which names its holder's pid) and return
+    its descriptor.
+
+    Raises:
+        StoreUnavailable: another store holds it (another supervisor runs on
+            this database).
+        OSError: the folder or the lock file cannot be made.
+    """
+    database.parent.mkdir(parents=True, exist_ok=True)
+    # Beside the file itself, as SQLite's -wal: one lock whatever symlink names it.
+    # O_NOFOLLOW: a symlink planted at the lock must not get its target emptied.
+    real = os.path.realpath(database)
+    fd = os.open(f"{real}-lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StoreUnavailable(
+            f"effect store {database} is in use by another supervisor (pid {holder}):"
+            " one supervisor per SQLite database; give this one its own --store, or"
+            " launch guests on the running one with `hostcall serve`"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _private(database: Path) -> None:

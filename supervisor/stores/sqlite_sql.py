@@ -16,7 +16,14 @@ from typing import Any, Final, Literal, TypeVar
 
 from supervisor.budget import BudgetLimits, BudgetUse, Charge, budget_allows, charge_refusal
 from supervisor.errors import StoreUnavailable
-from supervisor.stores.base import Begun, EffectRecord, EffectStatus, InvocationRecord, StartCall
+from supervisor.stores.base import (
+    Begun,
+    EffectRecord,
+    EffectStatus,
+    InvocationRecord,
+    NotPending,
+    StartCall,
+)
 from supervisor.stores.journal import JOURNAL_SCHEMA, journal_lines
 
 __all__ = [
@@ -279,11 +286,13 @@ def budget_use(conn: sqlite3.Connection, invocation_id: str, tool: str) -> Budge
 def commit(
     conn: sqlite3.Connection, invocation_id: str, call_id: str, response_json: str, now: float
 ) -> None:
-    conn.execute(
+    updated = conn.execute(
         "UPDATE effects SET status = 'committed', response = ?, updated_at = ?"
         " WHERE invocation_id = ? AND call_id = ? AND status = 'pending'",
         (response_json, now, invocation_id, call_id),
-    )
+    ).rowcount
+    if updated != 1:  # raised inside the op: its transaction, receipt line too, rolls back
+        raise NotPending(f"the record of {call_id} is no longer pending")
 
 
 def mark_unknown(conn: sqlite3.Connection, invocation_id: str, call_id: str, now: float) -> None:

@@ -9,6 +9,7 @@ supervisor processes sharing one database are in test_replicas.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import time
@@ -22,7 +23,13 @@ import pytest
 from supervisor import Supervisor
 from supervisor.errors import StoreUnavailable
 from supervisor.receipts import verify_chain
-from supervisor.stores import EffectStatus, PostgresEffectStore, StartCall, store_from_spec
+from supervisor.stores import (
+    EffectStatus,
+    NotPending,
+    PostgresEffectStore,
+    StartCall,
+    store_from_spec,
+)
 from supervisor.stores.postgres import SCHEMA_VERSION
 from tests.harness import Ledger, billing_plan, driven_guest
 from tests.postgres_support import Partition, with_options, without_options
@@ -439,7 +446,7 @@ async def test_a_replica_whose_lease_ran_out_begins_nothing_until_it_renews(
 
 
 @pytest.mark.postgres
-async def test_a_late_outcome_of_a_row_recovered_meanwhile_is_not_recorded_and_is_logged(
+async def test_a_late_outcome_of_a_row_recovered_meanwhile_is_not_recorded_and_says_so(
     dsn: str,
     postgres_schema: str,
     stores: list[PostgresEffectStore],
@@ -454,7 +461,10 @@ async def test_a_late_outcome_of_a_row_recovered_meanwhile_is_not_recorded_and_i
             await conn.execute(f"UPDATE {postgres_schema}.effects SET status = 'unknown'")
         finally:
             await conn.close()
-        with caplog.at_level(logging.WARNING, logger="supervisor.stores.postgres"):
+        with (
+            caplog.at_level(logging.WARNING, logger="supervisor.stores.postgres"),
+            pytest.raises(NotPending),  # the broker must not answer "executed"
+        ):
             await store.commit(INV, "c1", {"status": "ok"}, 2.0)
         record = await store.get(INV, "c1")
 
@@ -463,6 +473,50 @@ async def test_a_late_outcome_of_a_row_recovered_meanwhile_is_not_recorded_and_i
 
 
 # -- through a supervisor -----------------------------------------------------------------
+
+
+@pytest.mark.postgres
+async def test_a_call_whose_record_another_replica_recovered_while_it_ran_is_answered_unknown(
+    dsn: str, postgres_schema: str, tmp_path: Path, ledger: Ledger
+) -> None:
+    """docs/guarantees.md: a result that could not be committed is answered
+    ``ambiguous`` ``unknown``, never ``executed``. A replica whose lease ran
+    out while its handler ran (frozen, cut off) was taken for dead: another
+    replica turned its row ``unknown``. Its late commit writes nothing, so its
+    reply must say what the record says, or the guest's retry would
+    contradict it."""
+    plan = billing_plan(ledger)
+    args = {"account": "acct_1"}
+    async with (
+        Supervisor(state_dir=tmp_path / "state", store=dsn) as sup,
+        driven_guest(sup, plan, invocation_id="inv_late") as guest,
+    ):
+        first = asyncio.create_task(guest.call("c1", "slow_charge", args))
+        try:
+            assert await asyncio.to_thread(ledger.started.wait, STEP_S)
+            conn = await admin(dsn)
+            try:  # what another replica's recovery of a dead one's rows does
+                await conn.execute(
+                    f"UPDATE {postgres_schema}.effects SET status = 'unknown'"
+                    " WHERE call_id = 'c1' AND status = 'pending'"
+                )
+            finally:
+                await conn.close()
+        finally:
+            ledger.release.set()
+        late = await first
+        retry = await guest.call("c1", "slow_charge", args)
+        record = await sup.store.get("inv_late", "c1")
+    receipts = (tmp_path / "state" / "receipts" / "inv_late.jsonl").read_text().splitlines()
+
+    for reply in (late, retry):
+        assert reply["status"] == 409
+        assert (reply["body"]["status"], reply["body"]["reason"]) == ("ambiguous", "unknown")
+        assert "result" not in reply["body"]
+    assert record is not None and record.status is EffectStatus.UNKNOWN
+    assert [json.loads(line)["outcome"] for line in receipts] == ["unknown", "unknown"]
+    assert verify_chain(tmp_path / "state" / "receipts" / "inv_late.jsonl") == (2, None)
+    assert ledger.runs["slow_charge"] == 1
 
 
 @pytest.mark.postgres

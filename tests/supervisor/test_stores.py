@@ -2,7 +2,8 @@
 
 One conformance suite, in the manner of Trio's ``check_two_way_stream``: each
 backend below is a small adapter that knows how to make a store, how to make
-a second instance on the same storage and how to "restart" it; every contract
+a second instance on the same storage (PostgreSQL's replicas; SQLite refuses
+one) and how to "restart" it; every contract
 test runs once per backend through the parametrized ``backend`` fixture. The
 PostgreSQL backend runs against a real server, in a schema of each test's own
 (tests/postgres_support.py says where the server comes from); what only it
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -34,6 +36,7 @@ from supervisor.stores import (
     EffectStatus,
     EffectStore,
     MemoryEffectStore,
+    NotPending,
     PostgresEffectStore,
     SQLiteEffectStore,
     StartCall,
@@ -162,7 +165,9 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 
 
 # Backends whose instances share their records (several processes or hosts).
-SHARED_BACKENDS: list[Any] = [SQLiteBackend, SQLiteMixedBackend, _POSTGRES]
+# Not SQLite: one supervisor per database, a second store on it is refused
+# (test_sqlite_a_second_store_on_one_database_is_refused_until_the_first_closes).
+SHARED_BACKENDS: list[Any] = [_POSTGRES]
 
 
 @pytest.fixture(params=SHARED_BACKENDS, ids=lambda kind: kind.name)
@@ -595,6 +600,18 @@ async def _to_unknown(store: EffectStore) -> None:
     await unknown_record(store)
 
 
+async def _settle(
+    store: EffectStore, settle: Callable[[EffectStore], Coroutine[Any, Any, None]]
+) -> None:
+    """``settle`` a call whose record is not pending: a commit says so (the
+    broker must not answer ``executed``), the others leave it be."""
+    if settle is _commit:
+        with pytest.raises(NotPending):
+            await settle(store)
+    else:
+        await settle(store)
+
+
 @pytest.mark.parametrize("settle", [_commit, _mark_unknown, _release])
 @pytest.mark.parametrize("prepare", [_to_committed, _to_unknown], ids=["committed", "unknown"])
 async def test_commit_mark_unknown_and_release_act_only_on_pending_records(
@@ -605,7 +622,7 @@ async def test_commit_mark_unknown_and_release_act_only_on_pending_records(
     async with asyncio.timeout(STEP_S):
         await prepare(store)
         before = await store.get(INV, "c1")
-        await settle(store)
+        await _settle(store, settle)
         after = await store.get(INV, "c1")
 
     assert before is not None
@@ -617,7 +634,7 @@ async def test_settling_a_call_that_has_no_record_creates_none(
     store: EffectStore, settle: Callable[[EffectStore], Coroutine[Any, Any, None]]
 ) -> None:
     async with asyncio.timeout(STEP_S):
-        await settle(store)
+        await _settle(store, settle)
         assert await store.get(INV, "c1") is None
         assert await store.calls(INV) == []
 
@@ -944,6 +961,43 @@ async def test_sqlite_pending_row_is_visible_to_another_connection_when_begin_re
             reader.close()
 
     assert row == ("pending",)
+
+
+async def test_sqlite_a_second_store_on_one_database_is_refused_until_the_first_closes(
+    tmp_path: Path,
+) -> None:
+    """One supervisor per database, whatever path names it: a second store's
+    open() would turn the first one's live ``pending`` rows ``unknown`` (its
+    guest told ``executed``, the record saying otherwise) and a reversible
+    call could run twice."""
+    real = tmp_path / "real" / "effects.db"
+    link = tmp_path / "link.db"
+    first, second, third = SQLiteEffectStore(real), SQLiteEffectStore(link), SQLiteEffectStore(real)
+    async with asyncio.timeout(STEP_S):
+        await first.open()
+        link.symlink_to(real)
+        try:
+            await first.open_invocation(INV, "sha256:x", None, 0.0)
+            assert (await first.begin(start(), 1.0)).won
+            for other in (second, third):
+                with pytest.raises(
+                    StoreUnavailable, match=rf"in use by another supervisor \(pid {os.getpid()}\)"
+                ):
+                    await other.open()
+            still = await first.get(INV, "c1")
+            await first.commit(INV, "c1", RESPONSE, 2.0)
+        finally:
+            await first.close()
+        assert await second.open() == 0  # once the first has closed
+        try:
+            done = await second.get(INV, "c1")
+        finally:
+            await second.close()
+
+    assert still is not None
+    assert still.status is EffectStatus.PENDING
+    assert done is not None
+    assert done.status is EffectStatus.COMMITTED
 
 
 async def test_sqlite_open_twice_on_one_instance_is_a_programming_error(
