@@ -356,6 +356,43 @@ def test_a_memory_limit_is_reported_and_exits_125(tmp_path: Path, plan_file: Pat
     assert "stopped by its memory limit" in done.stderr
 
 
+def test_a_second_supervisor_on_one_sqlite_database_is_refused_whatever_its_state_dir(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    """SPEC §6: one supervisor per state dir, and so per SQLite database — but
+    ``--store sqlite:///PATH`` can name one file from two state dirs. A second
+    supervisor there would turn the first one's in-flight calls ``unknown``
+    at its start; it is refused instead, naming the holder."""
+    database = tmp_path / "store" / "effects.db"
+    store = f"sqlite:///{database}"
+    serve = ["serve", "--state-dir", str(tmp_path / "a"), "--plan", str(plan_file)]
+    with subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", *serve, "--store", store],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as server:
+        try:
+            assert server.stderr is not None
+            assert read_line(server.stderr).startswith("hostcall serve: plan cli")
+            second = run_guest(tmp_path / "b", plan_file, "exit", "0", extra=("--store", store))
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=STEP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(timeout=STEP_TIMEOUT_S)
+    after = run_guest(tmp_path / "b", plan_file, "exit", "0", extra=("--store", store))
+
+    assert second.returncode == 2
+    assert f"effect store {database} is in use by another supervisor (pid {server.pid})" in (
+        second.stderr
+    )
+    assert "exited with" not in second.stderr  # no guest was launched
+    assert after.returncode == 0  # once the first has stopped
+
+
 def test_serve_launches_guests_through_the_admin_api_until_sigterm(
     tmp_path: Path, plan_file: Path
 ) -> None:
