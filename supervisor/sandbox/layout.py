@@ -123,6 +123,14 @@ class Layout:
     def base(self, *, private_dirs: Iterable[Path] = _PRIVATE_DIRS) -> None:
         """Layer 1: the host read-only, fresh system and temporary folders."""
         self.args += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        # The memory of bubblewrap's pid 1, which a guest of its uid (every
+        # guest of a supervisor that is not root) could write with a plain
+        # open(): seccomp refuses ptrace and process_vm_writev, not open. It
+        # would clear pid 1's parent-death signal and outlive a SIGKILLed
+        # supervisor (docs/security.md, F25). Masked before pid 1 forks the
+        # guest, by the device it cannot open for writing (nodev).
+        for memory in ("/proc/1/mem", "/proc/1/task/1/mem"):
+            self.args += ["--ro-bind", "/dev/null", memory]
         self._mounts += [
             _Mount(Path("/"), "host"),
             _Mount(Path("/dev"), "fresh"),

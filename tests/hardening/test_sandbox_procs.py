@@ -806,14 +806,41 @@ print(json.dumps(untied), flush=True)
 )
 
 
+#: The same by writing pid 1's memory through /proc (a plain open(), which
+#: seccomp cannot refuse by path): the code where pid 1 waits becomes
+#: prctl(PR_SET_PDEATHSIG, 0), then pause() forever; S5's tree, whose orphans
+#: pid 1 reaps, makes its wait return into it.
+S5_UNTIE_PID1_BY_MEMORY = (
+    r"""
+untied = []
+try:
+    pc = int(open("/proc/1/syscall").read().split()[-1], 16)  # after its syscall
+    code = bytes.fromhex("bf01000000" "31f6" "b89d000000" "0f05" "b822000000" "0f05" "ebf7")
+    for path in ("/proc/1/mem", "/proc/1/task/1/mem"):
+        with open(path, "r+b", buffering=0) as memory:
+            memory.seek(pc)
+            memory.write(code)
+            untied = ["written", path]
+            break
+except OSError as e:
+    untied = untied or ["refused", e.errno]
+print(json.dumps(untied), flush=True)
+"""
+    + S5_TREE
+)
+
+
+@pytest.mark.parametrize("route", ["ptrace", "proc-mem"])
 def test_a_guest_cannot_untie_its_sandbox_from_the_supervisor_to_outlive_a_sigkill(
-    account: Account,
+    account: Account, route: str
 ) -> None:
     """S5/S3: the sandbox's pid 1 dies with bubblewrap's monitor (PR_SET_PDEATHSIG),
-    which dies with the supervisor. A guest that could ptrace pid 1 could clear
-    that and outlive a SIGKILLed supervisor: as root pid 1 is root's and refuses,
-    and in either mode the seccomp filter refuses ptrace itself."""
-    with hostcall_run(account, guest(S5_UNTIE_PID1), "wait") as run:
+    which dies with the supervisor. A guest that could ptrace pid 1, or write
+    its memory through /proc/1/mem, could clear that and outlive a SIGKILLed
+    supervisor: as root pid 1 is root's and refuses; in either mode the seccomp
+    filter refuses ptrace itself, and /proc/1/mem is masked (F13, F25)."""
+    untie = S5_UNTIE_PID1 if route == "ptrace" else S5_UNTIE_PID1_BY_MEMORY
+    with hostcall_run(account, guest(untie), "wait") as run:
         untied = json.loads(read_line(run))
         pidns = json.loads(read_line(run))["pidns"]
         supervisor = run.pid
@@ -825,7 +852,9 @@ def test_a_guest_cannot_untie_its_sandbox_from_the_supervisor_to_outlive_a_sigki
             finally:
                 kill_namespace(pidns)
                 remove_cgroups_of(supervisor)
-    if account.root:
+    if route == "proc-mem":
+        assert untied[0] == "refused", untied
+    elif account.root:
         assert untied == ["refused", errno.EPERM]
     assert left == [], f"the sandbox outlived its supervisor (pid 1 untied: {untied})"
 
