@@ -447,6 +447,13 @@ class CgroupHost:
             else:
                 # The leaf's own limit binds its members whatever memory.use_hierarchy says.
                 self._fs.write(os.path.join(memory, "memory.limit_in_bytes"), str(memory_bytes))
+                # TCP buffers are charged to a v1 cgroup only once it has a limit
+                # of their own, and apart from the rest (v2 counts them in
+                # memory.max): without one, a guest hoarding loopback TCP took
+                # gigabytes under a 64 MB limit (docs/security.md, F26).
+                tcp = os.path.join(memory, "memory.kmem.tcp.limit_in_bytes")
+                if os.path.lexists(tcp):
+                    self._fs.write(tcp, str(memory_bytes))
                 swap = os.path.join(memory, "memory.memsw.limit_in_bytes")  # memory + swap
                 swap_limit = str(memory_bytes)
             if os.path.lexists(swap):  # only with swap accounting

@@ -6,6 +6,7 @@ and examples/ is checked, and the README's example is run for real.
 - ``toml`` blocks parse; a plan's tables and keys are the plan file's own.
 - ``sh`` and ``console`` blocks: every ``hostcall …`` line is one the CLI
   accepts. ``text`` blocks (synopses, output) are prose.
+- A test the docs name as ``file.py::test_name`` exists in that file.
 """
 
 from __future__ import annotations
@@ -250,4 +251,24 @@ def test_the_docs_name_every_subcommand_the_cli_has() -> None:
     [subcommands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     operations = (ROOT / "docs" / "operations.md").read_text()
     missing = [name for name in subcommands.choices if f"hostcall {name}" not in operations]
+    assert missing == []
+
+
+#: A test named in full in the docs: ``test_x.py::test_name`` (and a ``[case]``).
+TEST_REFERENCE = re.compile(r"\b(test_\w+\.py)::(test_\w+)")
+
+
+def test_every_test_the_docs_name_in_full_exists() -> None:
+    """The evidence the docs cite (security.md's rows and findings, the
+    guarantees) is a real test: a renamed or removed one is caught here."""
+    defined: dict[str, set[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        names = set(re.findall(r"^(?:async )?def (test_\w+)", path.read_text(), re.M))
+        defined.setdefault(path.name, set()).update(names)
+    missing = [
+        f"{doc.relative_to(ROOT)}: {file}::{name}"
+        for doc in DOCS
+        for file, name in TEST_REFERENCE.findall(doc.read_text())
+        if name not in defined.get(file, set())
+    ]
     assert missing == []

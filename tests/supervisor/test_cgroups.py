@@ -112,7 +112,12 @@ def test_detect_gives_root_a_cgroup_where_v1_memory_and_pids_are_mounted() -> No
     host.close()
 
 
-LIMIT_FILES = {"memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "pids.max"}
+LIMIT_FILES = {
+    "memory.limit_in_bytes",
+    "memory.memsw.limit_in_bytes",
+    "memory.kmem.tcp.limit_in_bytes",
+    "pids.max",
+}
 
 
 def test_v1_limits_are_in_place_before_anyone_joins(host: CgroupHost) -> None:
@@ -124,6 +129,8 @@ def test_v1_limits_are_in_place_before_anyone_joins(host: CgroupHost) -> None:
     expected = {"memory.limit_in_bytes": str(64 * MiB), "pids.max": "8"}
     if any(path.name == "memory.memsw.limit_in_bytes" for path in files):  # swap accounting
         expected["memory.memsw.limit_in_bytes"] = str(64 * MiB)
+    if any(path.name == "memory.kmem.tcp.limit_in_bytes" for path in files):
+        expected["memory.kmem.tcp.limit_in_bytes"] = str(64 * MiB)  # TCP buffers: F26
     assert values == expected
     assert cgroup.pids() == []
 
