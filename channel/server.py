@@ -222,24 +222,32 @@ class ChannelServer:
         return response
 
     async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
-        """Find the endpoint (docs/protocol.md, "Endpoints"), as aiohttp's router
-        would: on the path with ``%2F`` kept encoded, a call id decoded after.
-        A GET endpoint answers HEAD too."""
+        """Identify the caller, then find the endpoint (docs/protocol.md,
+        "Endpoints"), as aiohttp's router would: on the path with ``%2F`` kept
+        encoded, a call id decoded after. A GET endpoint answers HEAD too.
+
+        Identity comes before everything else (SPEC §4.3): an unknown path, a
+        wrong method or an ``Expect`` header (whose ``100 Continue`` would
+        invite a body) is answered only to an identified guest.
+        """
+        execution = await self._identify(request)
         if request.headers.get("Expect") is not None:
             refused = await _expect(request)
             if refused is not None:
                 return refused
         path, method = request.rel_url.path_safe, request.method
         if path == "/v1/calls" and method == "POST":
-            return await self._post_call(request)
+            return await self._post_call(request, execution)
         if method in ("GET", "HEAD"):
             if path == "/v1/plan":
-                return await self._get_plan(request)
+                return await self._get_plan(execution)
             if path == OPENAPI_PATH:
-                return await self._get_openapi(request)
+                # The socket serves guests; the document is in the repository
+                # for everyone else.
+                return web.Response(body=document_bytes(), content_type="application/json")
             call_id = path.removeprefix("/v1/calls/")
             if call_id != path and _CALL_ID_SEGMENT.fullmatch(call_id):
-                return await self._get_call(request, _unquote_path_safe(call_id))
+                return await self._get_call(request, execution, _unquote_path_safe(call_id))
         return _no_such_route(request)
 
     async def _identify(self, request: web.BaseRequest) -> ExecutionPort:
@@ -289,32 +297,27 @@ class ChannelServer:
             # The guest hung up (or broke the framing) mid-body: its fault, not ours.
             raise Refusal("bad_request", f"the request body did not arrive whole: {exc}") from None
 
-    async def _post_call(self, request: web.BaseRequest) -> web.StreamResponse:
-        execution = await self._identify(request)
+    async def _post_call(
+        self, request: web.BaseRequest, execution: ExecutionPort
+    ) -> web.StreamResponse:
         call = parse_call_request(await self._read_body(request))
         reply = await execution.broker.call(call.call_id, call.tool, call.args)
         return _json_response(reply)
 
-    async def _get_call(self, request: web.BaseRequest, call_id: str) -> web.StreamResponse:
-        execution = await self._identify(request)
+    async def _get_call(
+        self, request: web.BaseRequest, execution: ExecutionPort, call_id: str
+    ) -> web.StreamResponse:
         if not is_valid_id(call_id):
             raise Refusal("bad_request", "call_id must be 1-128 characters of [A-Za-z0-9._:-]")
         wait_s = _parse_wait(request.query.get("wait"))
         return _json_response(await execution.broker.status(call_id, wait_s))
 
-    async def _get_plan(self, request: web.BaseRequest) -> web.StreamResponse:
-        execution = await self._identify(request)
+    async def _get_plan(self, execution: ExecutionPort) -> web.StreamResponse:
         body = await execution.broker.plan_view()
         return web.Response(
             body=compact_json(body).encode(),
             content_type="application/json",
         )
-
-    async def _get_openapi(self, request: web.BaseRequest) -> web.StreamResponse:
-        # Identity first, as on every request (docs/protocol.md): the socket serves
-        # guests, and the document is in the repository for everyone else.
-        await self._identify(request)
-        return web.Response(body=document_bytes(), content_type="application/json")
 
 
 _KNOWN_PATHS: Final = re.compile(r"/v1/calls(/[^/]+)?|/v1/plan|" + re.escape(OPENAPI_PATH))

@@ -856,6 +856,45 @@ async def test_an_expect_header_that_is_not_utf8_is_refused_not_answered_with_a_
     assert ledger.runs == {}
 
 
+@pytest.mark.parametrize(
+    ("head", "identified"),
+    [
+        (b"GET /v1/anything HTTP/1.1\r\n", 404),
+        (b"DELETE /v1/plan HTTP/1.1\r\n", 405),
+        (b"POST /v1/calls HTTP/1.1\r\nExpect: something-else\r\n", 400),
+        (b"POST /v1/calls HTTP/1.1\r\nExpect: 100-continue\r\n", 200),
+    ],
+    ids=["unknown path", "wrong method", "unknown expectation", "100-continue"],
+)
+async def test_identity_comes_before_the_route_and_any_expectation(
+    sup: Supervisor, ledger: Ledger, head: bytes, identified: int
+) -> None:
+    """SPEC §4.3: identity checks come before everything else. Without one,
+    an unknown path, a wrong method or an ``Expect`` header gets 401
+    ``unauthenticated`` — and no ``100 Continue`` inviting its body; with one,
+    each gets its own answer."""
+    body = b'{"call_id": "e1", "tool": "lookup", "args": {"account": "a"}}'
+    async with relay_guest(sup, billing_plan(ledger)) as relay:
+        raw = {}
+        for identity in (b"", relay.identity_lines()):
+            frame = (
+                head
+                + b"Host: hostcall\r\nConnection: close\r\n"
+                + identity
+                + b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            raw[bool(identity)] = (await relay.frame([frame]))[0]
+    anonymous, identified_answer = parse_answer(raw[False]), parse_answer(raw[True])
+    assert anonymous is not None and identified_answer is not None
+    assert (anonymous.status, anonymous.json["error"]["code"]) == (401, "unauthenticated")
+    assert not raw[False].startswith(b"HTTP/1.1 100")
+    assert identified_answer.status == identified
+    assert raw[True].startswith(b"HTTP/1.1 100 Continue") == (b"100-continue" in head)
+    assert ledger.runs == ({"lookup": 1} if identified == 200 else {})
+
+
 @pytest.mark.parametrize("depth", [200, 256, 600])
 async def test_arguments_nested_too_deep_for_a_json_typed_tool_are_refused_not_an_internal_error(
     sup: Supervisor, ledger: Ledger, caplog: pytest.LogCaptureFixture, depth: int
