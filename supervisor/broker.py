@@ -335,24 +335,35 @@ class Broker:
             )
         if self.deadline_at is not None and self.clock() >= self.deadline_at:  # step 7
             raise budget_refusal("deadline")
-        if not await self.store.reserve(self.invocation_id, tool.name, tool.cost, self.plan.budget):
+        # Durable: if this supervisor dies while the call waits, the next one's
+        # store gives it back (the call never ran).
+        charge = Charge(tool.name, tool.cost, self.plan.budget, self.deadline_at)
+        reservation = await self.store.reserve(
+            self.invocation_id, tool.name, tool.cost, self.plan.budget
+        )
+        if reservation is None:
             raise budget_refusal("limits")
         dispatched = False
         try:
             ticket = await self._approve(call, admission)  # step 8
-            outcome = await self._begin_dispatch(call, ticket, None)
+            outcome = await self._begin_dispatch(call, ticket, charge, reservation)
             dispatched = outcome is ticket
             return outcome
         finally:
             if not dispatched:  # the reservation goes back: it never reached dispatch
-                await self.store.refund(self.invocation_id, tool.name, tool.cost)
+                await self.store.refund(reservation)
 
     async def _begin_dispatch(
-        self, call: _Call, ticket: ApprovalTicket | None, charge: Charge | None
+        self,
+        call: _Call,
+        ticket: ApprovalTicket | None,
+        charge: Charge,
+        reservation: str | None = None,
     ) -> _Outcome | ApprovalTicket | None:
         """Step 9, the linearization point: the liveness check and the approval
         claim in one synchronous step (nothing interleaves), then the store's
-        atomic insert (with ``charge``, the budget in the same step). Returns
+        atomic insert (with the budget in the same step: ``reservation`` if
+        the call has one still, else ``charge``). Returns
         ``ticket`` if the call won; an outcome if another request (or replica)
         had a record. A cancel or expiry after this point cannot stop it.
 
@@ -367,7 +378,7 @@ class Broker:
             if lapsed is not None:
                 raise lapsed
         crash_point("before_begin")
-        begun = await self.store.begin(self._start(call), self.clock(), charge)
+        begun = await self.store.begin(self._start(call), self.clock(), charge, reservation)
         if begun.won:
             crash_point("after_begin")
             return ticket

@@ -149,9 +149,12 @@ class EffectStore(Protocol):
       returns the existing record unchanged. The ``pending`` row is durable
       when ``begin`` returns.
     - :meth:`reserve` checks and takes budget atomically: concurrent calls
-      cannot overspend.
+      cannot overspend. A reservation is durable and is either taken by
+      :meth:`begin` or given back, once, by :meth:`refund` — or by
+      :meth:`open` when its owner crashed before either.
     - :meth:`open` turns the ``pending`` rows this store's owner left behind
-      into ``unknown`` (a crash leaves doubt, never a duplicate).
+      into ``unknown`` (a crash leaves doubt, never a duplicate), and gives
+      back the reservations it left (a call waiting for approval never ran).
     - Driver errors surface as :class:`~supervisor.errors.StoreUnavailable`.
     """
 
@@ -173,7 +176,8 @@ class EffectStore(Protocol):
         ...
 
     async def open(self) -> int:
-        """Prepare the store; returns how many pending rows became unknown."""
+        """Prepare the store, recovering what a crashed owner left; returns how
+        many pending rows became unknown."""
         ...
 
     async def close(self) -> None:
@@ -196,25 +200,36 @@ class EffectStore(Protocol):
 
     async def reserve(
         self, invocation_id: str, tool: str, cost: float, limits: BudgetLimits
-    ) -> bool:
-        """Take one call of ``tool`` and ``cost`` from the budget if it fits."""
+    ) -> str | None:
+        """Take one call of ``tool`` and ``cost`` from the budget if it fits,
+        durably: the reservation's id, or ``None`` when it does not fit."""
         ...
 
-    async def refund(self, invocation_id: str, tool: str, cost: float) -> None:
-        """Give back a reservation whose call did not reach dispatch."""
+    async def refund(self, reservation_id: str) -> None:
+        """Give back a reservation whose call did not reach dispatch. Once: a
+        reservation given back already, or taken by :meth:`begin`, is left."""
         ...
 
     async def get(self, invocation_id: str, call_id: str) -> EffectRecord | None:
         """The effect record, or ``None``."""
         ...
 
-    async def begin(self, start: StartCall, now: float, charge: Charge | None = None) -> Begun:
+    async def begin(
+        self,
+        start: StartCall,
+        now: float,
+        charge: Charge | None = None,
+        reservation: str | None = None,
+    ) -> Begun:
         """The insert-if-absent primitive (see the class docstring).
 
         With ``charge``, a call that would (re)start also takes that budget
         in the same atomic step — or, if it does not fit or the deadline has
-        passed, nothing is inserted and ``exhausted`` says so. An existing
-        record that is returned unchanged takes no budget.
+        passed, nothing is inserted and ``exhausted`` says so. With
+        ``reservation`` (from :meth:`reserve`) that reservation is what it
+        takes, in the same step; ``charge`` only if it is gone (given back by
+        recovery meanwhile). An existing record that is returned unchanged
+        takes nothing, and leaves the reservation to be refunded.
         """
         ...
 

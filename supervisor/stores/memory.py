@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.budget import BudgetLimits
+from supervisor.ids import new_id
 from supervisor.receipt_files import ReceiptLog
 from supervisor.receipts import Receipts
 from supervisor.stores.base import (
@@ -39,6 +40,8 @@ class MemoryEffectStore:
         self._records: dict[tuple[str, str], EffectRecord] = {}
         self._invocations: dict[str, InvocationRecord] = {}
         self._revoked: dict[str, set[str]] = {}
+        #: Reservations not yet taken nor given back: id -> (invocation, tool, cost).
+        self._reservations: dict[str, tuple[str, str, float]] = {}
 
     def receipts(self, path: Path, executor: Executor | None) -> Receipts:
         return ReceiptLog(path, executor, fsync=False, commit=self.commit)
@@ -51,6 +54,9 @@ class MemoryEffectStore:
             pending = [k for k, r in self._records.items() if r.status is EffectStatus.PENDING]
             for key in pending:
                 self._records[key] = replace(self._records[key], status=EffectStatus.UNKNOWN)
+            for invocation_id, tool, cost in self._reservations.values():
+                self._use(invocation_id, tool, -1, -cost)
+            self._reservations.clear()
             return len(pending)
 
     async def close(self) -> None:
@@ -89,28 +95,41 @@ class MemoryEffectStore:
 
     async def reserve(
         self, invocation_id: str, tool: str, cost: float, limits: BudgetLimits
-    ) -> bool:
+    ) -> str | None:
         with self._lock:
             record = self._invocations.get(invocation_id)
             if record is None or not budget_allows(limits, record.used, tool, cost):
-                return False
+                return None
             self._use(invocation_id, tool, 1, cost)
-            return True
+            reservation = new_id("rsv")
+            self._reservations[reservation] = (invocation_id, tool, cost)
+            return reservation
 
-    async def refund(self, invocation_id: str, tool: str, cost: float) -> None:
+    async def refund(self, reservation_id: str) -> None:
         with self._lock:
-            self._use(invocation_id, tool, -1, -cost)
+            taken = self._reservations.pop(reservation_id, None)
+            if taken is not None:
+                invocation_id, tool, cost = taken
+                self._use(invocation_id, tool, -1, -cost)
 
     async def get(self, invocation_id: str, call_id: str) -> EffectRecord | None:
         with self._lock:
             return self._records.get((invocation_id, call_id))
 
-    async def begin(self, start: StartCall, now: float, charge: Charge | None = None) -> Begun:
+    async def begin(
+        self,
+        start: StartCall,
+        now: float,
+        charge: Charge | None = None,
+        reservation: str | None = None,
+    ) -> Begun:
         key = (start.invocation_id, start.call_id)
         with self._lock:
             existing = self._records.get(key)
             if existing is not None and not start.reruns(existing):
                 return Begun(False, existing)
+            if reservation is not None and self._reservations.pop(reservation, None) is not None:
+                charge = None  # paid for by its reservation
             invocation = self._invocations.get(start.invocation_id)
             refused = charge_refusal(charge, invocation.used if invocation else None, now)
             if refused is not None:

@@ -70,13 +70,16 @@ from supervisor.stores.postgres_sql import (
     MARK_UNKNOWN,
     OPEN_INVOCATION,
     RECOVER,
+    RECOVER_RESERVATIONS,
     RELEASE,
     RENEW_LEASE,
+    RESERVE,
     REVOKE,
     REVOKED,
     SCHEMA_VERSION,
     SETTLE_WHERE,
     STRANDED_UNKNOWN,
+    TAKE_RESERVATION,
     TOOL_USED,
     USE,
     effect_from_row,
@@ -413,8 +416,18 @@ class PostgresEffectStore:
                 now,
                 owners,
             )
+            # Their calls waiting for approval never ran: the budget goes back.
+            returned = await conn.fetch(self._q(RECOVER_RESERVATIONS), owners)
+            for invocation_id, tool, cost in sorted(tuple(row) for row in returned):
+                await conn.execute(self._q(USE), invocation_id, tool, -1, -float(cost))
             if dead:
                 await conn.execute(self._q(FORGET_REPLICAS), dead)
+        if returned:
+            logger.warning(
+                "%d call(s) were waiting for approval on a replica that stopped without"
+                " giving their budget back: given back now",
+                len(returned),
+            )
         if rows and not own:
             logger.warning(
                 "%d call(s) were in flight on replica(s) %s when their lease ran out: now unknown",
@@ -468,10 +481,16 @@ class PostgresEffectStore:
 
     async def reserve(
         self, invocation_id: str, tool: str, cost: float, limits: BudgetLimits
-    ) -> bool:
+    ) -> str | None:
+        reservation = new_id("rsv")
         async with self._conn() as conn, conn.transaction():
             refused = await self._charge(conn, invocation_id, Charge(tool, cost, limits, None), 0.0)
-        return refused is None
+            if refused is not None:
+                return None
+            await conn.execute(
+                self._q(RESERVE), reservation, invocation_id, tool, float(cost), self._instance_id
+            )
+        return reservation
 
     async def _charge(
         self, conn: _Conn, invocation_id: str, charge: Charge, now: float
@@ -496,9 +515,11 @@ class PostgresEffectStore:
             await conn.execute(self._q(USE), invocation_id, charge.tool, 1, float(charge.cost))
         return refused
 
-    async def refund(self, invocation_id: str, tool: str, cost: float) -> None:
-        async with self._conn() as conn:
-            await conn.execute(self._q(USE), invocation_id, tool, -1, -float(cost))
+    async def refund(self, reservation_id: str) -> None:
+        async with self._conn() as conn, conn.transaction():
+            taken = await conn.fetchrow(self._q(TAKE_RESERVATION), reservation_id)
+            if taken is not None:
+                await conn.execute(self._q(USE), taken[0], taken[1], -1, -float(taken[2]))
 
     # -- effect records -----------------------------------------------------------
 
@@ -511,13 +532,19 @@ class PostgresEffectStore:
             )
         return None if row is None else effect_from_row(row)
 
-    async def begin(self, start: StartCall, now: float, charge: Charge | None = None) -> Begun:
+    async def begin(
+        self,
+        start: StartCall,
+        now: float,
+        charge: Charge | None = None,
+        reservation: str | None = None,
+    ) -> Begun:
         key = (start.invocation_id, start.call_id)
         attempt = uuid.uuid4().hex
         try:
             async with self._conn() as conn:
                 for _ in range(_BEGIN_ROUNDS):
-                    begun = await self._try_begin(conn, start, now, charge, attempt)
+                    begun = await self._try_begin(conn, start, now, charge, attempt, reservation)
                     if begun is not None:
                         if begun.won:
                             self._won[key] = attempt
@@ -541,7 +568,13 @@ class PostgresEffectStore:
         raise StoreUnavailable(f"the record of {start.call_id} kept changing; nothing ran")
 
     async def _try_begin(
-        self, conn: _Conn, start: StartCall, now: float, charge: Charge | None, attempt: str
+        self,
+        conn: _Conn,
+        start: StartCall,
+        now: float,
+        charge: Charge | None,
+        attempt: str,
+        reservation: str | None,
     ) -> Begun | None:
         """One round of :meth:`begin`; ``None`` when it neither won nor found a
         record to answer from."""
@@ -565,6 +598,10 @@ class PostgresEffectStore:
                 if row is None and start.reversible:
                     row = await conn.fetchrow(self._q(BEGIN_RERUN), *args)
                 if row is not None:
+                    if reservation is not None and await conn.fetchrow(
+                        self._q(TAKE_RESERVATION), reservation
+                    ):
+                        charge = None  # paid for by its reservation
                     if charge is not None:
                         refused = await self._charge(conn, start.invocation_id, charge, now)
                         if refused is not None:

@@ -36,13 +36,16 @@ __all__ = [
     "MIGRATIONS",
     "OPEN_INVOCATION",
     "RECOVER",
+    "RECOVER_RESERVATIONS",
     "RELEASE",
     "RENEW_LEASE",
+    "RESERVE",
     "REVOKE",
     "REVOKED",
     "SCHEMA_VERSION",
     "SETTLE_WHERE",
     "STRANDED_UNKNOWN",
+    "TAKE_RESERVATION",
     "TOOL_USED",
     "USE",
     "effect_from_row",
@@ -98,6 +101,18 @@ MIGRATIONS: Final = (
         revoked_at double precision NOT NULL,
         PRIMARY KEY (invocation_id, tool)
     );
+    """,
+    # 2: reservations of calls waiting for approval, given back by recovery
+    # when their replica dies (an older hostcall must not open this schema).
+    """
+    CREATE TABLE {s}.reservations (
+        reservation_id text PRIMARY KEY,
+        invocation_id text NOT NULL,
+        tool text NOT NULL,
+        cost double precision NOT NULL,
+        owner_instance text NOT NULL
+    );
+    CREATE INDEX reservations_by_owner ON {s}.reservations (owner_instance);
     """,
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -186,6 +201,23 @@ RECOVER: Final = (
     " RETURNING e.owner_instance"
 )
 FORGET_REPLICAS: Final = "DELETE FROM {s}.replicas WHERE instance_id = ANY($1::text[])"
+RESERVE: Final = (
+    "INSERT INTO {s}.reservations (reservation_id, invocation_id, tool, cost, owner_instance)"
+    " VALUES ($1, $2, $3, $4, $5)"
+)
+#: Take one reservation (by begin, or to give it back): what it held, if it was there.
+TAKE_RESERVATION: Final = (
+    "DELETE FROM {s}.reservations WHERE reservation_id = $1 RETURNING invocation_id, tool, cost"
+)
+#: Take the reservations of $1's replicas or of no registered replica, as
+#: RECOVER does their pending rows; skipped if locked (being taken right now).
+RECOVER_RESERVATIONS: Final = (
+    "DELETE FROM {s}.reservations r WHERE r.reservation_id IN ("
+    "  SELECT reservation_id FROM {s}.reservations x WHERE x.owner_instance = ANY($1::text[])"
+    "   OR NOT EXISTS (SELECT 1 FROM {s}.replicas p WHERE p.instance_id = x.owner_instance)"
+    "  ORDER BY reservation_id FOR UPDATE SKIP LOCKED)"
+    " RETURNING r.invocation_id, r.tool, r.cost"
+)
 #: Turn unknown the pending row of one attempt whose outcome went unwritten.
 STRANDED_UNKNOWN: Final = (
     "UPDATE {s}.effects SET status = 'unknown', updated_at = $4"

@@ -43,6 +43,7 @@ from typing import Any, Final, TypeVar, cast
 from supervisor.budget import BudgetLimits
 from supervisor.canonical import compact_json
 from supervisor.errors import StoreUnavailable
+from supervisor.ids import new_id
 from supervisor.receipt_files import fsync_path
 from supervisor.receipts import Receipts
 from supervisor.stores import sqlite_sql as sql
@@ -548,16 +549,24 @@ class SQLiteEffectStore:
         )
         self._thread.start()
 
-        def migrate_and_recover(conn: sqlite3.Connection) -> int:
+        def migrate_and_recover(conn: sqlite3.Connection) -> tuple[int, int]:
             sql.migrate(conn)
             self._journal.recover(conn)  # receipt lines a crash kept out of their files
-            return sql.unknown_pending(conn)
+            return sql.unknown_pending(conn), sql.return_reservations(conn)
 
         try:
-            return await self._run(migrate_and_recover)
+            unknown, returned = await self._run(migrate_and_recover)
         except BaseException:
             await self.close()  # a store that failed to open holds no thread
             raise
+        if returned:
+            logger.warning(
+                "effect store %s: %d call(s) were waiting for approval when the last"
+                " supervisor stopped; their budget reservations are given back",
+                self.path,
+                returned,
+            )
+        return unknown
 
     async def close(self) -> None:
         thread, self._thread = self._thread, None
@@ -602,19 +611,29 @@ class SQLiteEffectStore:
 
     async def reserve(
         self, invocation_id: str, tool: str, cost: float, limits: BudgetLimits
-    ) -> bool:
-        return await self._run(lambda conn: sql.reserve(conn, invocation_id, tool, cost, limits))
+    ) -> str | None:
+        reservation = new_id("rsv")
+        fits = await self._run(
+            lambda conn: sql.reserve(conn, reservation, invocation_id, tool, cost, limits)
+        )
+        return reservation if fits else None
 
-    async def refund(self, invocation_id: str, tool: str, cost: float) -> None:
-        await self._run(lambda conn: sql.use(conn, invocation_id, tool, -1, -cost))
+    async def refund(self, reservation_id: str) -> None:
+        await self._run(lambda conn: sql.refund(conn, reservation_id))
 
     # -- effect records -----------------------------------------------------
 
     async def get(self, invocation_id: str, call_id: str) -> EffectRecord | None:
         return await self._run(lambda conn: sql.get_effect(conn, invocation_id, call_id))
 
-    async def begin(self, start: StartCall, now: float, charge: Charge | None = None) -> Begun:
-        return await self._run(lambda conn: sql.begin(conn, start, now, charge))
+    async def begin(
+        self,
+        start: StartCall,
+        now: float,
+        charge: Charge | None = None,
+        reservation: str | None = None,
+    ) -> Begun:
+        return await self._run(lambda conn: sql.begin(conn, start, now, charge, reservation))
 
     async def commit(
         self,

@@ -45,8 +45,10 @@ __all__ = [
     "read_invocations",
     "read_only",
     "read_snapshot",
+    "refund",
     "release",
     "reserve",
+    "return_reservations",
     "revoke",
     "revoked",
     "unknown_pending",
@@ -55,8 +57,9 @@ __all__ = [
 
 T = TypeVar("T")
 
-#: 2: the receipt journal.
-SCHEMA_VERSION: Final = 2
+#: 2: the receipt journal. 3: reservations (an older hostcall would leave
+#: them to be given back twice, so it must not open this database).
+SCHEMA_VERSION: Final = 3
 
 SCHEMA: Final = (
     """
@@ -88,6 +91,12 @@ CREATE TABLE IF NOT EXISTS effects (
     PRIMARY KEY (invocation_id, call_id)
 );
 CREATE INDEX IF NOT EXISTS effects_by_status ON effects (status);
+CREATE TABLE IF NOT EXISTS reservations (
+    reservation_id TEXT PRIMARY KEY,
+    invocation_id TEXT NOT NULL,
+    tool TEXT NOT NULL,
+    cost REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS revocations (
     invocation_id TEXT NOT NULL,
     tool TEXT NOT NULL,
@@ -172,14 +181,49 @@ def open_invocation(
 
 
 def reserve(
-    conn: sqlite3.Connection, invocation_id: str, tool: str, cost: float, limits: BudgetLimits
+    conn: sqlite3.Connection,
+    reservation_id: str,
+    invocation_id: str,
+    tool: str,
+    cost: float,
+    limits: BudgetLimits,
 ) -> bool:
     # Read and write in one transaction on the only writer: atomic.
     record = get_invocation(conn, invocation_id)
     if record is None or not budget_allows(limits, record.used, tool, cost):
         return False
     use(conn, invocation_id, tool, 1, cost)
+    conn.execute(
+        "INSERT INTO reservations (reservation_id, invocation_id, tool, cost) VALUES (?, ?, ?, ?)",
+        (reservation_id, invocation_id, tool, cost),
+    )
     return True
+
+
+def _take_reservation(
+    conn: sqlite3.Connection, reservation_id: str
+) -> tuple[str, str, float] | None:
+    """Delete a reservation; what it held (invocation, tool, cost), or None if gone."""
+    return conn.execute(  # type: ignore[no-any-return]
+        "DELETE FROM reservations WHERE reservation_id = ? RETURNING invocation_id, tool, cost",
+        (reservation_id,),
+    ).fetchone()
+
+
+def refund(conn: sqlite3.Connection, reservation_id: str) -> None:
+    taken = _take_reservation(conn, reservation_id)
+    if taken is not None:
+        invocation_id, tool, cost = taken
+        use(conn, invocation_id, tool, -1, -cost)
+
+
+def return_reservations(conn: sqlite3.Connection) -> int:
+    """Give back every reservation (one supervisor per database: at open, each
+    is a crash's leftover, its call never dispatched); how many."""
+    taken = conn.execute("DELETE FROM reservations RETURNING invocation_id, tool, cost").fetchall()
+    for invocation_id, tool, cost in taken:
+        use(conn, invocation_id, tool, -1, -cost)
+    return len(taken)
 
 
 def use(conn: sqlite3.Connection, invocation_id: str, tool: str, calls: int, cost: float) -> bool:
@@ -200,7 +244,13 @@ def use(conn: sqlite3.Connection, invocation_id: str, tool: str, calls: int, cos
     return True
 
 
-def begin(conn: sqlite3.Connection, start: StartCall, now: float, charge: Charge | None) -> Begun:
+def begin(
+    conn: sqlite3.Connection,
+    start: StartCall,
+    now: float,
+    charge: Charge | None,
+    reservation: str | None = None,
+) -> Begun:
     # One transaction on the only writer: the check, the charge and the
     # insert are atomic, and cost one fsync together. The insert comes first
     # (a new call is the usual case): a row that is already there is read
@@ -231,6 +281,8 @@ def begin(conn: sqlite3.Connection, start: StartCall, now: float, charge: Charge
             raise sqlite3.IntegrityError("begin lost a race it cannot lose")
         if not start.reruns(existing):
             return Begun(False, existing)
+    if reservation is not None and _take_reservation(conn, reservation) is not None:
+        charge = None  # paid for by its reservation
     if charge is not None:
         refused = _charge(conn, start.invocation_id, charge, now)
         if refused is not None:

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,94 @@ def test_after_kill_9_mid_handler_a_resumed_invocation_replays_commits_and_repor
     assert budget["cost_left"] == 8
     assert ledger.read_text().splitlines() == ["charge alice 500", "hang bob"]
     assert "replayed 1" in second.stderr and "unknown 1" in second.stderr
+
+
+APPROVAL_PLAN = """
+[plan]
+name = "crash-approval"
+max_calls = 1
+max_cost = 1
+
+[tools.charge]
+handler = "crash_tools:charge"
+approval = "always"
+"""
+
+
+def _hostcall(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT_S,
+        check=False,
+    )
+
+
+def _waiting_proposal(state: Path) -> str:
+    """The id of the proposal waiting on the supervisor of ``state``, asked
+    again until there is one (bounded)."""
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        listed = _hostcall("approvals", "list", "--json", "--state-dir", str(state))
+        if listed.returncode == 0:
+            waiting = [p["id"] for p in json.loads(listed.stdout) if p["state"] == "waiting"]
+            if waiting:
+                return str(waiting[0])
+        time.sleep(0.05)  # a poll: the proposal appears when the guest's call arrives
+    raise AssertionError(f"no proposal waiting within {STEP_TIMEOUT_S} s")
+
+
+def test_after_kill_9_during_an_approval_wait_the_reserved_budget_is_given_back(
+    tmp_path: Path,
+) -> None:
+    """SPEC §5 step 7: a reservation is returned if the call does not reach
+    dispatch — also when the supervisor dies while the call waits for its
+    approval. With max_calls = 1, the resumed invocation's retry must get a
+    new proposal and run, not 429 budget_exhausted for a call that never ran."""
+    folder = tmp_path / "plan"
+    folder.mkdir()
+    (folder / "crash_tools.py").write_text(TOOLS)
+    plan = folder / "plan.toml"
+    plan.write_text(APPROVAL_PLAN)
+    state, ledger = tmp_path / "st", tmp_path / "ledger.txt"
+    env = {**os.environ, "LEDGER": str(ledger)}
+    calls = [["p1", "charge", {"account": "alice", "cents": 500}]]
+    with subprocess.Popen(
+        _run_cmd(state, plan, calls),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as first:
+        assert first.stdout is not None
+        guest_pid = json.loads(read_line(first.stdout))["pid"]
+        _waiting_proposal(state)  # the budget is reserved; the call waits
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=STEP_TIMEOUT_S)
+        os.kill(guest_pid, signal.SIGKILL)  # the orphaned guest of the dead run
+
+    with subprocess.Popen(
+        _run_cmd(state, plan, [*calls, ["plan", "__plan__", {}]]),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as second:
+        try:
+            approved = _hostcall(
+                "approvals", "approve", _waiting_proposal(state), "--state-dir", str(state)
+            )
+            out, err = second.communicate(timeout=STEP_TIMEOUT_S * 2)
+        finally:
+            if second.poll() is None:
+                second.kill()
+                second.wait(timeout=STEP_TIMEOUT_S)
+    assert approved.returncode == 0, approved.stderr
+    assert second.returncode == 0, err
+    lines = [json.loads(line) for line in out.splitlines()[1:]]
+    assert lines[0] == {"call_id": "p1", "result": {"charge_id": "ch_alice", "cents": 500}}
+    assert lines[1]["plan"]["budget"]["calls_left"] == 0  # this run's call, once
+    assert ledger.read_text().splitlines() == ["charge alice 500"]

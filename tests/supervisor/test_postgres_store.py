@@ -21,6 +21,7 @@ import asyncpg
 import pytest
 
 from supervisor import Supervisor
+from supervisor.budget import BudgetLimits
 from supervisor.errors import StoreUnavailable
 from supervisor.receipts import verify_chain
 from supervisor.stores import (
@@ -378,6 +379,32 @@ async def test_a_dead_replicas_pending_rows_become_unknown_after_its_lease_and_l
         "b1": EffectStatus.PENDING,  # its owner is alive
     }
     assert [row[0] for row in listed] == [live.instance_id]  # the dead one is forgotten
+
+
+@pytest.mark.postgres
+async def test_a_dead_replicas_reservations_are_given_back_after_its_lease(
+    dsn: str, stores: list[PostgresEffectStore]
+) -> None:
+    """Calls waiting for approval on a replica that died never ran: once its
+    lease has run out a live replica gives their budget back; its own stay."""
+    limits = BudgetLimits(max_calls=3)
+    dying = await replica(stores, dsn, lease_s=3, renew_s=0.5)
+    async with asyncio.timeout(STEP_S):
+        await dying.open_invocation(INV, "sha256:x", None, 0.0)
+        assert await dying.reserve(INV, "charge", 0, limits) is not None
+        live = await replica(stores, dsn, lease_s=3, renew_s=0.1)
+        assert await live.reserve(INV, "charge", 0, limits) is not None
+        crash(dying)
+
+    async def given_back() -> bool:
+        found = await live.get_invocation(INV)
+        return found is not None and found.used.calls == 1
+
+    await eventually(given_back, "the live replica's heartbeat gives the dead one's back")
+    async with asyncio.timeout(STEP_S):
+        assert await live.reserve(INV, "charge", 0, limits) is not None
+        assert await live.reserve(INV, "charge", 0, limits) is not None
+        assert await live.reserve(INV, "charge", 0, limits) is None  # the live one's stayed
 
 
 @pytest.mark.postgres

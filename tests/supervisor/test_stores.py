@@ -35,6 +35,7 @@ from supervisor.stores import (
     EffectRecord,
     EffectStatus,
     EffectStore,
+    InvocationRecord,
     MemoryEffectStore,
     NotPending,
     PostgresEffectStore,
@@ -706,7 +707,7 @@ async def test_list_invocations_returns_them_oldest_first(backend: Backend) -> N
 async def test_reserve_takes_calls_until_max_calls_then_refuses(store: EffectStore) -> None:
     limits = BudgetLimits(max_calls=3)
     async with asyncio.timeout(STEP_S):
-        taken = [await store.reserve(INV, "charge", 1.0, limits) for _ in range(5)]
+        taken = [await store.reserve(INV, "charge", 1.0, limits) is not None for _ in range(5)]
         record = await store.get_invocation(INV)
 
     assert taken == [True, True, True, False, False]
@@ -718,10 +719,10 @@ async def test_reserve_takes_calls_until_max_calls_then_refuses(store: EffectSto
 async def test_reserve_respects_max_cost(store: EffectStore) -> None:
     limits = BudgetLimits(max_cost=25)
     async with asyncio.timeout(STEP_S):
-        taken = [await store.reserve(INV, "charge", 10, limits) for _ in range(3)]
-        free = await store.reserve(INV, "lookup", 0, limits)
-        cheap = await store.reserve(INV, "lookup", 5, limits)
-        over = await store.reserve(INV, "lookup", 0.5, limits)
+        taken = [await store.reserve(INV, "charge", 10, limits) is not None for _ in range(3)]
+        free = await store.reserve(INV, "lookup", 0, limits) is not None
+        cheap = await store.reserve(INV, "lookup", 5, limits) is not None
+        over = await store.reserve(INV, "lookup", 0.5, limits) is not None
 
     assert taken == [True, True, False]
     assert (free, cheap, over) == (True, True, False)
@@ -730,8 +731,8 @@ async def test_reserve_respects_max_cost(store: EffectStore) -> None:
 async def test_reserve_respects_a_per_tool_max_calls(store: EffectStore) -> None:
     limits = BudgetLimits(max_calls=10, tool_max_calls={"charge": 2})
     async with asyncio.timeout(STEP_S):
-        charges = [await store.reserve(INV, "charge", 0, limits) for _ in range(3)]
-        lookups = [await store.reserve(INV, "lookup", 0, limits) for _ in range(3)]
+        charges = [await store.reserve(INV, "charge", 0, limits) is not None for _ in range(3)]
+        lookups = [await store.reserve(INV, "lookup", 0, limits) is not None for _ in range(3)]
         record = await store.get_invocation(INV)
 
     assert charges == [True, True, False]
@@ -748,35 +749,37 @@ async def test_budgets_belong_to_each_invocation(store: EffectStore) -> None:
         other = await store.reserve("inv_2", "charge", 0, limits)
         second = await store.reserve(INV, "charge", 0, limits)
 
-    assert (first, other, second) == (True, True, False)
+    assert (first is not None, other is not None, second) == (True, True, None)
 
 
 async def test_reserve_for_an_invocation_that_was_never_opened_says_no(
     store: EffectStore,
 ) -> None:
     async with asyncio.timeout(STEP_S):
-        assert await store.reserve("inv_never", "charge", 0, BudgetLimits()) is False
+        assert await store.reserve("inv_never", "charge", 0, BudgetLimits()) is None
         assert await store.get_invocation("inv_never") is None
 
 
-async def test_refund_for_an_invocation_that_was_never_opened_changes_nothing(
+async def test_refund_of_a_reservation_that_is_not_there_changes_nothing(
     store: EffectStore,
 ) -> None:
     async with asyncio.timeout(STEP_S):
-        await store.refund("inv_later", "charge", 10)
-        assert await store.get_invocation("inv_later") is None
-        later, _ = await store.open_invocation("inv_later", "sha256:x", None, 1.0)
+        await store.refund("rsv_never_made")
+        record = await store.get_invocation(INV)
 
-    assert (later.used.calls, later.used.cost, dict(later.used.tool_calls or {})) == (0, 0.0, {})
+    assert record is not None
+    assert (record.used.calls, record.used.cost, dict(record.used.tool_calls or {})) == (0, 0.0, {})
 
 
-async def test_refund_gives_a_reservation_back(store: EffectStore) -> None:
+async def test_refund_gives_a_reservation_back_once(store: EffectStore) -> None:
     limits = BudgetLimits(max_calls=2, max_cost=20, tool_max_calls={"charge": 2})
     async with asyncio.timeout(STEP_S):
-        assert await store.reserve(INV, "charge", 10, limits)
+        first = await store.reserve(INV, "charge", 10, limits)
+        assert first is not None
         assert await store.reserve(INV, "charge", 10, limits)
         assert not await store.reserve(INV, "charge", 10, limits)
-        await store.refund(INV, "charge", 10)
+        await store.refund(first)
+        await store.refund(first)  # given back already: nothing more
         record = await store.get_invocation(INV)
         assert await store.reserve(INV, "charge", 10, limits)
         assert not await store.reserve(INV, "charge", 10, limits)
@@ -784,6 +787,70 @@ async def test_refund_gives_a_reservation_back(store: EffectStore) -> None:
     assert record is not None
     assert (record.used.calls, record.used.cost) == (1, 10.0)
     assert dict(record.used.tool_calls or {}) == {"charge": 1}
+
+
+async def test_begin_with_a_reservation_takes_it_in_place_of_the_charge(
+    store: EffectStore,
+) -> None:
+    """The approval path: the budget reserved before the wait is what the
+    call's begin takes; a refund after that gives nothing back."""
+    limits = BudgetLimits(max_calls=1, max_cost=10)
+    async with asyncio.timeout(STEP_S):
+        reservation = await store.reserve(INV, "charge", 2.0, limits)
+        assert reservation is not None
+        begun = await store.begin(start(), 1.0, charge(limits), reservation)
+        await store.refund(reservation)
+        record = await store.get_invocation(INV)
+
+    assert begun.won
+    assert record is not None
+    assert (record.used.calls, record.used.cost) == (1, 2.0)
+
+
+async def test_begin_whose_reservation_was_given_back_takes_the_charge_or_is_refused(
+    store: EffectStore,
+) -> None:
+    """A reservation given back meanwhile (recovery took its owner for dead)
+    is not free budget: the begin charges instead, or refuses if that no
+    longer fits."""
+    limits = BudgetLimits(max_calls=2)
+    async with asyncio.timeout(STEP_S):
+        first = await store.reserve(INV, "charge", 0, limits)
+        second = await store.reserve(INV, "charge", 0, limits)
+        assert first is not None and second is not None
+        await store.refund(first)
+        charged = await store.begin(start("c1"), 1.0, charge(limits, 0), first)
+        await store.refund(second)
+        await store.reserve(INV, "charge", 0, limits)  # someone else takes the last call
+        refused = await store.begin(start("c2"), 1.0, charge(limits, 0), second)
+        record = await store.get_invocation(INV)
+        gone = await store.get(INV, "c2")
+
+    assert charged.won
+    assert (refused.won, refused.exhausted) == (False, "limits")
+    assert gone is None
+    assert record is not None
+    assert record.used.calls == 2
+
+
+async def test_a_begin_that_finds_a_record_leaves_its_reservation_to_be_refunded(
+    store: EffectStore,
+) -> None:
+    limits = BudgetLimits(max_calls=5)
+    async with asyncio.timeout(STEP_S):
+        await store.begin(start(), 1.0)
+        await store.commit(INV, "c1", RESPONSE, 2.0)
+        reservation = await store.reserve(INV, "charge", 0, limits)
+        assert reservation is not None
+        again = await store.begin(start(), 3.0, charge(limits, 0), reservation)
+        held = await store.get_invocation(INV)
+        await store.refund(reservation)
+        after = await store.get_invocation(INV)
+
+    assert not again.won and again.record is not None
+    assert again.record.status is EffectStatus.COMMITTED
+    assert held is not None and held.used.calls == 1
+    assert after is not None and after.used.calls == 0
 
 
 @pytest.mark.parametrize(
@@ -803,7 +870,7 @@ async def test_concurrent_reserves_cannot_overspend(
         )
         record = await store.get_invocation(INV)
 
-    assert taken.count(True) == 10
+    assert sum(t is not None for t in taken) == 10
     assert record is not None
     assert record.used.calls == 10
     assert record.used.cost == pytest.approx(10 * cost)
@@ -814,9 +881,11 @@ async def test_concurrent_reserves_from_two_instances_in_two_threads_cannot_over
 ) -> None:
     backend = shared_backend
     limits = BudgetLimits(max_calls=15, max_cost=40, tool_max_calls={"charge": 12})
-    both_open = threading.Barrier(2, timeout=STEP_S)
+    # Both open before either reserves, and both read before either closes: a
+    # closed replica's reservations are given back (its calls never ran).
+    both_open, both_spent, both_read = (threading.Barrier(2, timeout=STEP_S) for _ in range(3))
 
-    async def spend() -> list[tuple[str, bool]]:
+    async def spend() -> tuple[list[tuple[str, bool]], InvocationRecord | None]:
         instance = backend.make()
         await instance.open()
         try:
@@ -826,12 +895,15 @@ async def test_concurrent_reserves_from_two_instances_in_two_threads_cannot_over
             taken = await asyncio.gather(
                 *(instance.reserve(INV, tool, 2.0, limits) for tool in tools)
             )
-            return list(zip(tools, taken, strict=True))
+            await asyncio.to_thread(both_spent.wait)
+            record = await instance.get_invocation(INV)
+            await asyncio.to_thread(both_read.wait)
+            return [(tool, t is not None) for tool, t in zip(tools, taken, strict=True)], record
         finally:
             await instance.close()
 
-    def in_own_loop() -> list[tuple[str, bool]]:
-        async def bounded() -> list[tuple[str, bool]]:
+    def in_own_loop() -> tuple[list[tuple[str, bool]], InvocationRecord | None]:
+        async def bounded() -> tuple[list[tuple[str, bool]], InvocationRecord | None]:
             async with asyncio.timeout(STEP_S):
                 return await spend()
 
@@ -839,9 +911,10 @@ async def test_concurrent_reserves_from_two_instances_in_two_threads_cannot_over
 
     async with asyncio.timeout(STEP_S * 2):
         # Made first, so the two instances open storage that exists already.
-        check = await backend.open_new()
-        a, b = await asyncio.gather(asyncio.to_thread(in_own_loop), asyncio.to_thread(in_own_loop))
-        record = await check.get_invocation(INV)
+        await backend.open_new()
+        (a, record), (b, _) = await asyncio.gather(
+            asyncio.to_thread(in_own_loop), asyncio.to_thread(in_own_loop)
+        )
 
     taken = [tool for tool, ok in a + b if ok]
     assert len(taken) == 15  # max_calls binds first: 15 calls of cost 2 fit max_cost 40
@@ -884,6 +957,27 @@ async def test_open_turns_pending_records_unknown_and_counts_them(backend: Backe
     assert recovered_again == 0
 
 
+async def test_open_gives_back_the_reservations_a_crash_left(backend: Backend) -> None:
+    """A call that waited for approval when its supervisor stopped never ran:
+    the next open gives its reservation back. One a begin took stays taken."""
+    limits = BudgetLimits(max_calls=2, max_cost=10)
+    async with asyncio.timeout(STEP_S):
+        store = await backend.open_new()
+        await store.open_invocation(INV, "sha256:x", None, 0.0)
+        waiting = await store.reserve(INV, "charge", 3.0, limits)
+        taken = await store.reserve(INV, "charge", 4.0, limits)
+        assert waiting is not None and taken is not None
+        assert (await store.begin(start(), 1.0, charge(limits, 4.0), taken)).won
+        store, _ = await backend.restart(store)
+        record = await store.get_invocation(INV)
+        await store.refund(waiting)  # the broker's own refund, late: nothing more
+        again = await store.get_invocation(INV)
+
+    assert record is not None
+    assert (record.used.calls, record.used.cost) == (1, 4.0)
+    assert again == record
+
+
 async def test_a_call_recovered_as_unknown_runs_again_only_if_reversible(
     backend: Backend,
 ) -> None:
@@ -924,8 +1018,7 @@ async def test_sqlite_records_budgets_and_responses_survive_close_and_reopen(
         first = SQLiteEffectStore(path)
         assert await first.open() == 0
         await first.open_invocation(INV, "sha256:x", 99.0, 0.0)
-        assert await first.reserve(INV, "charge", 10, BudgetLimits())
-        await first.begin(start("done"), 1.0)
+        await first.begin(start("done"), 1.0, charge(BudgetLimits(), 10))
         await first.commit(INV, "done", RESPONSE, 2.0)
         await first.begin(start("left_pending"), 3.0)
         await first.close()
