@@ -11,6 +11,11 @@ other guests through the kernel. The filter refuses them (``EPERM``):
 - ``keyctl``, ``add_key``, ``request_key``: a root supervisor runs every guest
   as uid 65534, whose kernel keyring they would all share;
 - ``bpf``, ``userfaultfd``: kernel attack surface no agent needs;
+- ``io_uring_setup``, ``io_uring_enter``, ``io_uring_register``: the same,
+  the source of many of the kernel's recent privilege escalations (as in
+  Docker's and ChromeOS's filters); answered ``ENOSYS``, as on a kernel
+  without it, so runtimes that try it (libuv) fall back to what they did
+  before;
 - ``unshare`` and ``clone`` asking for a new user namespace (a root
   supervisor's guest could otherwise make one and get capabilities in it);
   ``clone3`` is answered ``ENOSYS``, so the C library falls back to ``clone``,
@@ -52,17 +57,29 @@ class _Abi:
     denied: tuple[int, ...]
     unshare: int
     clone: int
-    clone3: int
+    #: Answered ENOSYS: clone3, and io_uring's three calls.
+    nosys: tuple[int, ...]
 
 
 _ABIS: Final = {
     # ptrace, process_vm_readv, process_vm_writev, process_madvise, pidfd_getfd,
     # keyctl, add_key, request_key, bpf, userfaultfd
+    # then unshare, clone; clone3, io_uring_setup, io_uring_enter, io_uring_register
     "x86_64": _Abi(
-        0xC000003E, True, (101, 310, 311, 440, 438, 250, 248, 249, 321, 323), 272, 56, 435
+        0xC000003E,
+        True,
+        (101, 310, 311, 440, 438, 250, 248, 249, 321, 323),
+        272,
+        56,
+        (435, 425, 426, 427),
     ),
     "aarch64": _Abi(
-        0xC00000B7, False, (117, 270, 271, 440, 438, 219, 217, 218, 280, 282), 97, 220, 435
+        0xC00000B7,
+        False,
+        (117, 270, 271, 440, 438, 219, 217, 218, 280, 282),
+        97,
+        220,
+        (435, 425, 426, 427),
     ),
 }
 
@@ -88,7 +105,8 @@ def syscall_filter() -> bytes:
     ]
     if abi.x32_bit:
         program.append((_JGE, "nosys", 0, _X32_BIT))
-    program.append((_JEQ, "nosys", 0, abi.clone3))
+    for number in abi.nosys:
+        program.append((_JEQ, "nosys", 0, number))
     program.append((_JEQ, "flags", 0, abi.unshare))
     program.append((_JEQ, "flags", 0, abi.clone))
     for number in abi.denied:

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import os
+import platform
 import select
 import shutil
 import signal
@@ -757,6 +758,46 @@ def test_a_supervisor_killed_with_sigkill_takes_every_guest_process_with_it(
     assert tasks == [], "the dead supervisor's cgroups still hold processes"
     if account.root:
         assert cgroups, "as root the guest ran in a cgroup of the supervisor's"
+
+
+#: Tries the system calls the seccomp filter refuses as kernel attack surface,
+#: printing each one's errno (0: it worked).
+S3_KERNEL_SURFACE = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+calls = {
+    "io_uring_setup": (425, 8, params),
+    "io_uring_enter": (426, 0, 0, 0, 0, None, 0),
+    "io_uring_register": (427, 0, 0, None, 0),
+    "bpf": (321, 0, None, 0),
+    "userfaultfd": (323, 0),
+}
+errnos = {}
+for name, (number, *args) in calls.items():
+    ctypes.set_errno(0)
+    result = libc.syscall(number, *args)
+    errnos[name] = ctypes.get_errno() if result == -1 else 0
+print(json.dumps(errnos), flush=True)
+"""
+
+
+def test_a_guest_cannot_reach_io_uring_bpf_or_userfaultfd(account: Account) -> None:
+    """Kernel attack surface no agent needs: io_uring looks absent (ENOSYS,
+    so a runtime falls back to what it did without it), bpf and userfaultfd
+    are refused (EPERM) — in both modes (docs/sandbox.md)."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the guest names x86_64 system call numbers")
+    done, _ = run_guest(account, guest(S3_KERNEL_SURFACE))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "io_uring_setup": errno.ENOSYS,
+        "io_uring_enter": errno.ENOSYS,
+        "io_uring_register": errno.ENOSYS,
+        "bpf": errno.EPERM,
+        "userfaultfd": errno.EPERM,
+    }
 
 
 #: Unties the sandbox's pid 1 from bubblewrap's monitor: ptrace-attaches to it
