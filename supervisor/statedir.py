@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
 import tempfile
@@ -11,6 +9,7 @@ from pathlib import Path
 from typing import Final
 
 from supervisor.errors import StateDirBusy, UnsafeStateDir
+from supervisor.lockfile import drop_lock, hold_lock
 from supervisor.sockets import MAX_SOCKET_PATH
 
 __all__ = ["StateDir", "chosen_state_dir"]
@@ -89,17 +88,13 @@ class StateDir:
             raise UnsafeStateDir(
                 f"cannot write in state dir {self.path} ({exc.strerror}): name another --state-dir"
             ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        holder = hold_lock(fd)
+        if holder is not None:
             os.close(fd)
             raise StateDirBusy(
                 f"state dir {self.path} is in use by a running supervisor (pid {holder}); "
                 "use another --state-dir, or launch guests on it with `hostcall serve`"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            )
         self._lock_fd = fd
         for folder in (self.receipts_dir, self.logs_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
@@ -129,6 +124,4 @@ class StateDir:
             self._private_run_dir = None
         if self._lock_fd is not None:
             fd, self._lock_fd = self._lock_fd, None
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-            os.close(fd)
+            drop_lock(fd)

@@ -71,7 +71,7 @@ IO_MODULES = {
 }  # fmt: skip
 #: What an effect store may import of the project: stores, pure modules, the
 #: receipt files' helpers, and the fault harness's crash points.
-STORE_MAY_IMPORT = {"supervisor.receipt_files", "supervisor.faults"}
+STORE_MAY_IMPORT = {"supervisor.receipt_files", "supervisor.faults", "supervisor.lockfile"}
 #: The top of the house: what runs a supervisor or serves its operators.
 TOP = {"supervisor.admin", "supervisor.demo"}
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import queue
@@ -44,6 +43,7 @@ from supervisor.budget import BudgetLimits
 from supervisor.canonical import compact_json
 from supervisor.errors import StoreUnavailable
 from supervisor.ids import new_id
+from supervisor.lockfile import drop_lock, hold_lock
 from supervisor.receipt_files import fsync_path
 from supervisor.receipts import Receipts
 from supervisor.stores import sqlite_sql as sql
@@ -590,9 +590,7 @@ class SQLiteEffectStore:
         or left to a writer that could not close it, which writes no more)."""
         if self._lock_fd is not None:
             fd, self._lock_fd = self._lock_fd, None
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-            os.close(fd)
+            drop_lock(fd)
 
     # -- invocations and budget -------------------------------------------
 
@@ -704,20 +702,17 @@ def _lock(database: Path) -> int:
     real = os.path.realpath(database)
     fd = os.open(f"{real}-lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        holder = hold_lock(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if holder is not None:
         os.close(fd)
         raise StoreUnavailable(
             f"effect store {database} is in use by another supervisor (pid {holder}):"
             " one supervisor per SQLite database; give this one its own --store, or"
             " launch guests on the running one with `hostcall serve`"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        )
     return fd
 
 
