@@ -351,7 +351,14 @@ class Broker:
             return outcome
         finally:
             if not dispatched:  # the reservation goes back: it never reached dispatch
-                await self.store.refund(reservation)
+                try:
+                    await self.store.refund(reservation)
+                except StoreUnavailable as exc:
+                    # The store's next start gives it back; the call's own
+                    # answer (or error) is what the guest must get.
+                    logger.error(
+                        "call %s: its reservation stays until restart: %s", call.call_id, exc
+                    )
 
     async def _begin_dispatch(
         self,

@@ -519,7 +519,9 @@ class SQLiteEffectStore:
         if self._thread is not None or self._lock_fd is not None:
             raise RuntimeError("SQLiteEffectStore.open() called twice")
         try:
-            self._lock_fd = await asyncio.to_thread(_lock, self.path)
+            # Here, not in a thread: an open() cancelled while a thread took
+            # the lock would leave it held, with nobody to let it go.
+            self._lock_fd = _lock(self.path)
             conn = await asyncio.to_thread(self._connect)
         except (sqlite3.Error, OSError) as exc:  # OSError: the folder cannot be made
             self._unlock()

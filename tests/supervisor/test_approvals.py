@@ -25,7 +25,7 @@ from supervisor.approvals import (
     next_state,
 )
 from supervisor.broker import Broker
-from supervisor.errors import Refusal
+from supervisor.errors import Refusal, StoreUnavailable
 from supervisor.stores import EffectStatus, MemoryEffectStore
 from tests.harness import STEP_TIMEOUT_S, Ledger, wait_until
 
@@ -152,6 +152,24 @@ async def test_a_rejected_call_is_refused_runs_nothing_and_returns_its_budget(ri
     assert invocation is not None
     assert invocation.used.calls == 0
     assert await rig.store.get(INV, "c1") is None
+
+
+async def test_a_refund_the_store_cannot_make_does_not_hide_the_rejection(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guest is told why its call did not run (rejected), not that the
+    store failed to give the reservation back; the store's next start does."""
+
+    async def unavailable(reservation_id: str) -> None:
+        raise StoreUnavailable("the database went away")
+
+    monkeypatch.setattr(rig.store, "refund", unavailable)
+    task = rig.call("c1", "pay", {"account": "a", "cents": 5})
+    rig.approvals.reject(await rig.proposal(), reason="looks wrong")
+    reply = await reply_of(task)
+    assert reply.error is not None
+    assert (reply.http_status, reply.error["code"]) == (403, "approval_rejected")
+    assert rig.ledger.runs == {}
 
 
 async def test_a_lease_that_runs_out_refuses_with_approval_expired(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ group commit that isolates a failing operation, and driver errors as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import sqlite3
@@ -42,6 +43,7 @@ from supervisor.stores import (
     SQLiteEffectStore,
     StartCall,
 )
+from tests.harness import wait_until
 from tests.postgres_support import with_options
 
 #: Upper bound for any one step of a test; every await runs under it.
@@ -1091,6 +1093,34 @@ async def test_sqlite_a_second_store_on_one_database_is_refused_until_the_first_
     assert still.status is EffectStatus.PENDING
     assert done is not None
     assert done.status is EffectStatus.COMMITTED
+
+
+async def test_sqlite_an_open_cancelled_midway_leaves_the_database_free(tmp_path: Path) -> None:
+    """A supervisor whose start is cancelled (a host program's timeout) must
+    not keep its database locked for the rest of its process's life."""
+    path = tmp_path / "effects.db"
+    first = SQLiteEffectStore(path)
+    async with asyncio.timeout(STEP_S):
+        opening = asyncio.create_task(first.open())
+        await asyncio.sleep(0)  # let it start: cancelled inside open(), not before
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+
+    def lock_held() -> bool:  # a descriptor of ours on the lock file, still open
+        fds = Path("/proc/self/fd")
+        return any(os.path.realpath(fd) == f"{path}-lock" for fd in fds.iterdir())
+
+    # Once no work of the cancelled open() is left, no descriptor holds the lock.
+    with contextlib.suppress(AssertionError, TimeoutError):  # then said below
+        await wait_until(lambda: not lock_held(), "the lock let go")
+    assert not lock_held()
+    async with asyncio.timeout(STEP_S):
+        second = SQLiteEffectStore(path)
+        try:
+            assert await second.open() == 0
+        finally:
+            await second.close()
 
 
 async def test_sqlite_open_twice_on_one_instance_is_a_programming_error(
