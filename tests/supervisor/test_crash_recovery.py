@@ -89,6 +89,28 @@ def _run_cmd(state: Path, plan: Path, calls: list[list[object]]) -> list[str]:
     ]
 
 
+def _start_run(
+    state: Path, plan: Path, calls: list[list[object]], env: dict[str, str]
+) -> subprocess.Popen[str]:
+    """``hostcall run`` of the scripted guest, in a session of its own."""
+    return subprocess.Popen(
+        _run_cmd(state, plan, calls),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _kill_mid_run(run: subprocess.Popen[str], guest_pid: int) -> None:
+    """What a crash leaves: the supervisor killed with SIGKILL, and its guest
+    (orphaned, unsandboxed here) killed too."""
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait(timeout=STEP_TIMEOUT_S)
+    os.kill(guest_pid, signal.SIGKILL)
+
+
 def test_after_kill_9_mid_handler_a_resumed_invocation_replays_commits_and_reports_unknown(
     tmp_path: Path, plan_file: Path
 ) -> None:
@@ -103,22 +125,13 @@ def test_after_kill_9_mid_handler_a_resumed_invocation_replays_commits_and_repor
         listener.bind(str(signal_path))
         listener.listen(1)
         listener.settimeout(STEP_TIMEOUT_S)
-        with subprocess.Popen(
-            _run_cmd(state, plan_file, calls),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        ) as first:
+        with _start_run(state, plan_file, calls, env) as first:
             assert first.stdout is not None
             guest_pid = json.loads(read_line(first.stdout))["pid"]
             committed = json.loads(read_line(first.stdout))
             connection, _ = listener.accept()  # the hang handler is running now
             connection.close()
-            os.kill(first.pid, signal.SIGKILL)
-            first.wait(timeout=STEP_TIMEOUT_S)
-            os.kill(guest_pid, signal.SIGKILL)  # the orphaned guest of the dead run
+            _kill_mid_run(first, guest_pid)
     assert committed == {"call_id": "c1", "result": {"charge_id": "ch_alice", "cents": 500}}
 
     again = [*calls, ["plan", "__plan__", {}]]
@@ -194,29 +207,13 @@ def test_after_kill_9_during_an_approval_wait_the_reserved_budget_is_given_back(
     state, ledger = tmp_path / "st", tmp_path / "ledger.txt"
     env = {**os.environ, "LEDGER": str(ledger)}
     calls = [["p1", "charge", {"account": "alice", "cents": 500}]]
-    with subprocess.Popen(
-        _run_cmd(state, plan, calls),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as first:
+    with _start_run(state, plan, calls, env) as first:
         assert first.stdout is not None
         guest_pid = json.loads(read_line(first.stdout))["pid"]
         _waiting_proposal(state)  # the budget is reserved; the call waits
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait(timeout=STEP_TIMEOUT_S)
-        os.kill(guest_pid, signal.SIGKILL)  # the orphaned guest of the dead run
+        _kill_mid_run(first, guest_pid)
 
-    with subprocess.Popen(
-        _run_cmd(state, plan, [*calls, ["plan", "__plan__", {}]]),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as second:
+    with _start_run(state, plan, [*calls, ["plan", "__plan__", {}]], env) as second:
         try:
             approved = _hostcall(
                 "approvals", "approve", _waiting_proposal(state), "--state-dir", str(state)
