@@ -523,7 +523,9 @@ class Supervisor:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._stop_grace_s):
                         await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
-        outcome = guest.outcome(reason, time.monotonic() - started, dict(execution.calls()))
+        # Its calls' live count, not a copy: a dispatched call runs on after its
+        # guest has gone (nothing cancels it halfway) and is counted when it ends.
+        outcome = guest.outcome(reason, time.monotonic() - started, execution.calls())
         self._retire(execution, outcome)
         return outcome
 
@@ -613,7 +615,7 @@ class Supervisor:
             cpu_s=result.cpu_s,
             peak_rss_bytes=result.peak_memory_bytes or None,
             peak_processes=0,
-            calls=dict(execution.calls()),
+            calls=execution.calls(),  # live, as for a native guest
             sandbox=guest.sandbox,
         )
         self._retire(execution, outcome)

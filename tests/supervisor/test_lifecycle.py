@@ -17,7 +17,14 @@ from supervisor.executions import Execution
 from supervisor.limits import Limits
 from supervisor.reaper import Reaper
 from supervisor.sandbox import SandboxPolicy
-from tests.harness import STEP_TIMEOUT_S, Ledger, TreeWatch, billing_plan, wait_until
+from tests.harness import (
+    STEP_TIMEOUT_S,
+    Ledger,
+    TreeWatch,
+    billing_plan,
+    driven_guest,
+    wait_until,
+)
 
 #: A guest that starts a child in its group, a setsid'd grandchild, and a
 #: double-forked daemon (its parent exits at once), prints their pids and its
@@ -361,3 +368,24 @@ async def test_an_orphan_the_sampler_never_saw_is_reaped_without_waiting_out_the
         left = zombies() - before
     assert outcome.exit_status == 0
     assert left == set()
+
+
+async def test_a_call_that_finishes_after_its_guest_exited_is_counted_in_its_execution(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    """A dispatched call runs on when its guest goes (a hang-up never cancels
+    it, so nothing that began can be cut off halfway); the execution's
+    outcome, retired meanwhile, counts it once it ends, as its receipt does
+    (found by an attack pass: the summary said "calls: none")."""
+    body = {"call_id": "c1", "tool": "slow_charge", "args": {"account": "acct_1"}}
+    async with driven_guest(sup, billing_plan(ledger)) as guest:
+        execution = guest.execution
+        await guest.send({"op": "send_only", "name": "late", "body": body})
+        assert await asyncio.to_thread(ledger.started.wait, STEP_TIMEOUT_S)
+    outcome = execution.outcome  # the guest has exited; the handler still runs
+    assert outcome is not None
+    before = dict(outcome.calls)
+    ledger.release.set()
+    await wait_until(lambda: dict(outcome.calls) == {"executed": 1}, "the late call counted")
+    assert before == {}
+    assert ledger.runs["slow_charge"] == 1
