@@ -84,6 +84,10 @@ MODULES_KEPT: Final = 16
 _I32: Final = wasmtime.ValType.i32()
 _U32: Final = 0xFFFF_FFFF
 
+#: Table entries a guest may always have (compilers make one table of its
+#: indirect calls), however small its memory limit.
+MIN_TABLE_ELEMENTS: Final = 10_000
+
 RUNTIME: Final = {"runtime": "wasmtime", "version": importlib.metadata.version("wasmtime")}
 
 
@@ -92,6 +96,9 @@ def _config() -> wasmtime.Config:
     config.epoch_interruption = True
     config.wasm_threads = False
     config.shared_memory = False
+    # One linear memory: the store caps each memory alone, so a module of
+    # forty would have had forty times its --memory (docs/security.md, F29).
+    config.wasm_multi_memory = False
     return config
 
 
@@ -398,7 +405,12 @@ class WasmGuest:
     def _run(self) -> WasmOutcome:
         store = wasmtime.Store(self._engine)
         store.set_wasi(self._wasi)
-        store.set_limits(memory_size=self.memory_limit)
+        store.set_limits(
+            memory_size=self.memory_limit,
+            # A table's entries take host memory too, outside the linear
+            # memory's cap: at most one per 8 bytes of the limit (F29).
+            table_elements=max(self.memory_limit // 8, MIN_TABLE_ELEMENTS),
+        )
         store.set_epoch_deadline(1)  # one increment — stop() — interrupts it
         cpu_started = time.thread_time()
         exit_code: int | None = 0
@@ -564,7 +576,10 @@ class WasmGuest:
         length: int,
     ) -> int:
         _check_reply_room(caller, out, cap, length)
-        raw = _read(caller, call_id, min(size & _U32, 1024))
+        start, count = call_id & _U32, size & _U32
+        if start + count > _memory(caller).data_len(caller):  # all of it, as `call` checks
+            raise _GuestFault(f"the call id at {start} (+{count}) is outside the guest's memory")
+        raw = _read(caller, call_id, min(count, 1024))
         job = self._imports.status(self._execution, raw.decode("utf-8", "replace"), wait_ms)
         return self._answer(caller, self._await(job), out, cap, length)
 

@@ -373,7 +373,28 @@ WAT_HUGE_REQUEST = """
     (call $exit (i32.ne (i32.const 413)
       (call $call (i32.const 0) (i32.const -1) (i32.const 64) (i32.const 1024) (i32.const 8))))))
 """
+WAT_STATUS_OUTSIDE = """
+(module
+  (import "hostcall" "status" (func $status (param i32 i32 i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "_start")
+    ;; a 4 GiB call id in one page: outside its memory, as for `call`
+    (drop (call $status (i32.const 0) (i32.const -1) (i32.const 0)
+      (i32.const 64) (i32.const 1024) (i32.const 8)))))
+"""
+#: A table grown far past what --memory would hold: refused (it holds -1).
+WAT_BIG_TABLE = """
+(module
+  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+  (memory (export "memory") 1)
+  (table $t 0 externref)
+  (func (export "_start")
+    (call $exit (i32.eq (i32.const -1)
+      (table.grow $t (ref.null extern) (i32.const 50000000))))))
+"""
 WAT_SHARED_MEMORY = '(module (memory (export "memory") 1 1 shared) (func (export "_start")))'
+#: A second memory: each would have had the whole --memory (F29).
+WAT_TWO_MEMORIES = '(module (memory (export "memory") 1) (memory 1) (func (export "_start")))'
 WAT_NO_START = '(module (memory (export "memory") 1))'
 WAT_OTHER_IMPORT = '(module (import "env" "system" (func)) (func (export "_start")))'
 WAT_UNKNOWN_HOSTCALL = '(module (import "hostcall" "exec" (func)) (func (export "_start")))'
@@ -383,9 +404,18 @@ async def test_a_guest_handing_the_imports_bad_memory_traps_alone(tmp_path: Path
     (tmp_path / "bad.wat").write_text(WAT_BAD_POINTER)
     (tmp_path / "huge.wat").write_text(WAT_HUGE_REQUEST)
     (tmp_path / "room.wat").write_text(WAT_CALL_WITHOUT_ROOM)
+    (tmp_path / "status.wat").write_text(WAT_STATUS_OUTSIDE)
+    (tmp_path / "table.wat").write_text(WAT_BIG_TABLE)
     ledger = Ledger()
     async with Supervisor(tmp_path / "state") as sup:
         bad = await sup.run(scenario_plan(Ledger()), [], wasm=tmp_path / "bad.wat")
+        status = await sup.run(scenario_plan(Ledger()), [], wasm=tmp_path / "status.wat")
+        table = await sup.run(
+            scenario_plan(Ledger()),
+            [],
+            wasm=tmp_path / "table.wat",
+            limits=Limits(memory_bytes=16 << 20),
+        )
         roomless = await sup.run(scenario_plan(ledger), [], wasm=tmp_path / "room.wat")
         roomless_calls = await sup.store.calls(roomless.invocation_id)
         huge = await sup.run(scenario_plan(Ledger()), [], wasm=tmp_path / "huge.wat")
@@ -395,6 +425,8 @@ async def test_a_guest_handing_the_imports_bad_memory_traps_alone(tmp_path: Path
         again = await sup.run(scenario_plan(Ledger()), ["steps", "plan"], wasm=huge_agent(tmp_path))
     assert bad.last.reason == "signalled" and bad.exit_status == 1
     assert "outside the guest's memory" in trapped
+    assert status.last.reason == "signalled"  # a call id outside memory traps, as in `call`
+    assert table.exit_status == 1  # its 50 million entries were refused (F29)
     # A call whose answer could not be taken never ran: checked before admission.
     assert roomless.last.reason == "signalled"
     assert ledger.runs["charge"] == 0 and roomless_calls == []
@@ -421,11 +453,19 @@ def huge_agent(tmp_path: Path) -> Path:
     [
         ("not a module", "is not a WebAssembly module"),
         (WAT_SHARED_MEMORY, "is not a WebAssembly module"),
+        (WAT_TWO_MEMORIES, "is not a WebAssembly module"),
         (WAT_NO_START, "exports no _start"),
         (WAT_OTHER_IMPORT, "imports from 'env'"),
         (WAT_UNKNOWN_HOSTCALL, "imports hostcall.exec"),
     ],
-    ids=["garbage", "threads", "no-start", "other-import", "unknown-hostcall-import"],
+    ids=[
+        "garbage",
+        "threads",
+        "two-memories",
+        "no-start",
+        "other-import",
+        "unknown-hostcall-import",
+    ],
 )
 async def test_a_module_hostcall_cannot_run_is_refused_before_an_invocation_exists(
     tmp_path: Path, source: str, says: str
