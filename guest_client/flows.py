@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from guest_client.errors import EffectUnknown, ToolError, TransportError
+from guest_client.errors import EffectUnknown, ProtocolError, ToolError, TransportError
 from guest_client.responses import (
     Missing,
     Pending,
@@ -88,7 +88,7 @@ def _call(budget: Budget, call_id: str, body: bytes) -> Flow[Any]:
     while True:
         posts += 1
         response = yield from _send(budget, post, call_id, posting=True, key=key)
-        outcome = interpret_call(response, call_id, polling=False)
+        outcome = _interpreted(response, call_id, key, polling=False)
         if isinstance(outcome, Pending):
             key = outcome.idempotency_key or key
             outcome = yield from _settle(budget, call_id, outcome)
@@ -106,6 +106,20 @@ def _call(budget: Budget, call_id: str, body: bytes) -> Flow[Any]:
                 idempotency_key=key,
                 response=outcome.body,
             )
+
+
+def _interpreted(
+    response: Response, call_id: str, key: str | None, *, polling: bool
+) -> Settled | Pending | Missing:
+    """:func:`interpret_call`, but an answer the protocol does not allow is one
+    the host gave to a request it had: the tool may have run, so the error says
+    so (calling again with the same `call_id` is safe and tells; a new one is not)."""
+    try:
+        return interpret_call(response, call_id, polling=polling)
+    except ProtocolError as exc:
+        exc.may_have_run = True
+        exc.idempotency_key = exc.idempotency_key or key
+        raise
 
 
 def _settle(budget: Budget, call_id: str, pending: Pending) -> Flow[Settled | Missing]:
@@ -130,7 +144,7 @@ def _settle(budget: Budget, call_id: str, pending: Pending) -> Flow[Settled | Mi
             )
         started = budget.clock()
         response = yield from _send(budget, poll, call_id, key=pending.idempotency_key)
-        outcome = interpret_call(response, call_id, polling=True)
+        outcome = _interpreted(response, call_id, pending.idempotency_key, polling=True)
         if not isinstance(outcome, Pending):
             return outcome
         if outcome.idempotency_key is None:

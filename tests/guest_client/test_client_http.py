@@ -280,6 +280,33 @@ def test_a_body_that_is_not_json_raises_protocol_error(
 
     assert isinstance(caught.value, TransportError)
     assert caught.value.status == 502
+    # The host had the request: the tool may have run. "Did not run" would
+    # invite a second run under a new call_id (docs/guests.md).
+    assert caught.value.may_have_run
+
+
+def test_a_garbled_answer_while_polling_keeps_may_have_run_and_the_key(
+    host: ScriptedHost, client: HostClient
+) -> None:
+    host.answer(
+        Reply(
+            409,
+            {
+                "status": "ambiguous",
+                "call_id": "c",
+                "effect": "unknown",
+                "reason": "in_flight",
+                "idempotency_key": "k" * 64,
+            },
+        )
+    )
+    host.answer(Reply(502, b"<html>bad gateway</html>"))
+
+    with pytest.raises(ProtocolError) as caught:
+        client.call("charge", call_id="c")
+
+    assert caught.value.may_have_run
+    assert caught.value.idempotency_key == "k" * 64
 
 
 def test_a_host_that_drops_every_request_fails_after_the_policy_attempts(
