@@ -141,7 +141,7 @@ class SQLiteEffectStore:
     # -- the writer thread ------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Its folder exists: _lock made it, first.
         _private(self.path)
         # Switching a new file to WAL takes an exclusive lock that SQLite does
         # not wait for: two processes opening one new store at once can see
