@@ -20,6 +20,8 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,12 +90,29 @@ def hostcall_run(
         process.communicate(timeout=STEP_TIMEOUT_S)
 
 
+#: What :func:`read_line` read past the end of a line, per process.
+_unread: weakref.WeakKeyDictionary[subprocess.Popen[str], bytes] = weakref.WeakKeyDictionary()
+
+
 def read_line(process: subprocess.Popen[str], timeout: float = STEP_TIMEOUT_S) -> str:
-    """One line of the guest's stdout (through hostcall's), bounded."""
+    """One line of the guest's stdout (through hostcall's), bounded.
+
+    It reads the pipe itself and keeps what follows the line for the next call:
+    a buffered ``readline`` would take two lines that arrived together, and the
+    ``select`` before the next one would wait for data already read."""
     assert process.stdout is not None
-    ready, _, _ = select.select([process.stdout], [], [], timeout)
-    assert ready, "the guest said nothing"
-    return process.stdout.readline()
+    fd = process.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    data = _unread.pop(process, b"")
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        assert left > 0 and select.select([fd], [], [], left)[0], "the guest said nothing"
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break  # end of output: what there is, as readline gives it
+        data += chunk
+    line, newline, _unread[process] = data.partition(b"\n")
+    return (line + newline).decode()
 
 
 def children_of(pid: int) -> list[int]:
