@@ -596,7 +596,9 @@ class Supervisor:
                         await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
         if result is None:
             logger.error("WebAssembly guest of %s did not stop in time", execution.execution_id)
-            result = WasmOutcome(None, "cancelled", 0.0, 0, "did not stop")
+            # Asleep in a component's WASI call (docs/wasm.md): its thread is
+            # left to it, and the execution ends for what stopped it.
+            result = WasmOutcome(None, guest.stop_reason or "cancelled", 0.0, 0, "did not stop")
         if result.trap is not None:
             logger.warning(
                 "the WebAssembly guest trapped: %s",

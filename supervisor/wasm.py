@@ -19,8 +19,10 @@ Limits: linear memory is capped by the store (``--memory``, else
 :data:`DEFAULT_MEMORY_BYTES`); the timeout, a cancel and ``--cpu`` (the
 thread's own CPU clock, read every :data:`CPU_POLL_S`) interrupt a running
 guest through epoch interruption, and a guest blocked in an import as soon as
-it returns or within :data:`IMPORT_POLL_S`. WebAssembly threads are off: a
-module that declares shared memory is refused.
+it returns or within :data:`IMPORT_POLL_S` — a module's ``poll_oneoff``
+included, which is hostcall's own (:mod:`supervisor.wasm_poll`); a
+component asleep in WASI is not interrupted (docs/wasm.md). WebAssembly
+threads are off: a module that declares shared memory is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +50,8 @@ from channel.imports import Imports
 from channel.routing import ExecutionPort
 from supervisor.errors import WasmError
 from supervisor.limits import EndReason, Limits
+from supervisor.wasm_memory import U32, GuestFault, Stopped, guest_memory, read, write
+from supervisor.wasm_poll import InterruptiblePoll
 
 __all__ = [
     "DEFAULT_MEMORY_BYTES",
@@ -66,6 +71,8 @@ NEAR_CAP_BYTES: Final = 4 * 2**20
 CPU_POLL_S: Final = 0.05
 #: How often an import blocked on the broker looks whether the guest was stopped.
 IMPORT_POLL_S: Final = 0.1
+#: How long a finished guest's thread waits for wasmtime to drop its streams.
+STREAM_RELEASE_S: Final = 1.0
 #: Guest output handed to the event loop but not yet taken, before the guest waits.
 OUTPUT_IN_FLIGHT: Final = 1024 * 1024
 #: The import module a guest's calls go through, and its functions.
@@ -82,7 +89,6 @@ _COMPONENT_VERSION: Final = b"\x0d\x00\x01\x00"
 #: ~80 ms and a Python component ~8 s; loading either, < 150 ms.
 MODULES_KEPT: Final = 16
 _I32: Final = wasmtime.ValType.i32()
-_U32: Final = 0xFFFF_FFFF
 
 #: Table entries a guest may always have (compilers make one table of its
 #: indirect calls), however small its memory limit.
@@ -244,10 +250,6 @@ class WasmOutcome:
     trap: str | None = None
 
 
-class _Stopped(Exception):
-    """Raised in an import when the guest was stopped while it waited."""
-
-
 class _Ended(Exception):
     """A module's ``_start`` failed: the failure, and how to read its memory."""
 
@@ -268,6 +270,18 @@ class GuestStream:
         self._stopped = stopped
         self._in_flight = 0
         self._room = threading.Condition()
+        #: Set once wasmtime has dropped the callback :meth:`sink` made.
+        self.released = threading.Event()
+
+    def sink(self) -> Callable[[bytes], None]:
+        """What wasmtime is handed as the stream: :meth:`write`, and
+        :attr:`released` set when wasmtime lets go of it."""
+
+        def sink(data: bytes) -> None:
+            self.write(data)
+
+        weakref.finalize(sink, self.released.set)
+        return sink
 
     def write(self, data: bytes) -> None:
         """Called by wasmtime: on the guest's thread (a module), or on one of
@@ -332,8 +346,8 @@ class WasmGuest:
         self._wasi = wasmtime.WasiConfig()
         self._wasi.argv = list(argv)
         self._wasi.env = sorted(env.items())
-        self._wasi.stdout_custom = self.stdout.write
-        self._wasi.stderr_custom = self.stderr.write
+        self._wasi.stdout_custom = self.stdout.sink()
+        self._wasi.stderr_custom = self.stderr.sink()
         if workdir is not None:
             self._wasi.preopen_dir(str(workdir), ".")
         #: The last reply, for ``reply`` (a guest's buffer was too small).
@@ -347,6 +361,11 @@ class WasmGuest:
             "kind": "component" if isinstance(self._code, component.Component) else "module",
             "limits": {"memory_bytes": self.memory_limit, "cpu": "epoch", "threads": False},
         }
+
+    @property
+    def stop_reason(self) -> EndReason | None:
+        """Why :meth:`stop` was first called, or None."""
+        return self._stop_reason
 
     # -- the run ---------------------------------------------------------------
 
@@ -403,7 +422,18 @@ class WasmGuest:
             return  # the thread ended between the two looks
 
     def _run(self) -> WasmOutcome:
-        store = wasmtime.Store(self._engine)
+        # Closed here, on this thread, not whenever a traceback's cycle is
+        # collected: WASI's output streams call back into Python when they are
+        # dropped, and at interpreter exit that aborts the process.
+        with wasmtime.Store(self._engine) as store:
+            outcome = self._run_in(store)
+        # wasmtime drops the streams on a thread of its own: wait (bounded)
+        # until it has, so that none is dropped as the interpreter exits.
+        for stream in (self.stdout, self.stderr):
+            stream.released.wait(STREAM_RELEASE_S)
+        return outcome
+
+    def _run_in(self, store: wasmtime.Store) -> WasmOutcome:
         store.set_wasi(self._wasi)
         store.set_limits(
             memory_size=self.memory_limit,
@@ -424,12 +454,12 @@ class WasmGuest:
                 peak = self._run_module(store, self._code)
         except wasmtime.ExitTrap as exit_trap:
             exit_code = exit_trap.code
-        except _Stopped:
+        except Stopped:
             exit_code, reason = None, self._stop_reason or "cancelled"
         except _Ended as ended:
             peak = ended.peak
             exit_code, reason, trap = self._failed(ended.failure)
-        except (wasmtime.Trap, wasmtime.WasmtimeError, _GuestFault) as failure:
+        except (wasmtime.Trap, wasmtime.WasmtimeError, GuestFault) as failure:
             exit_code, reason, trap = self._failed(failure)
         used = peak()
         if reason in ("exited", "signalled") and exit_code != 0 and self._at_cap(used):
@@ -440,7 +470,7 @@ class WasmGuest:
         """A trap or error that ended the guest: ours (a stop) or its own."""
         if isinstance(failure, wasmtime.ExitTrap):
             return failure.code, "exited", None
-        if isinstance(failure, _Stopped) or self._stopped.is_set():
+        if isinstance(failure, Stopped) or self._stopped.is_set():
             return None, self._stop_reason or "cancelled", None
         if isinstance(failure, wasmtime.Trap):
             return None, "signalled", failure.message
@@ -452,6 +482,8 @@ class WasmGuest:
         """Run a module's ``_start``; returns how to read its memory's size."""
         linker = wasmtime.Linker(self._engine)
         linker.define_wasi()
+        # wasmtime's poll_oneoff would sleep through a stop.
+        InterruptiblePoll(self._engine, store, self._stopped).define(linker)
         self._define_imports(linker)
         instance = linker.instantiate(store, module)
         memory = instance.exports(store).get("memory")
@@ -462,10 +494,10 @@ class WasmGuest:
         start = instance.exports(store)["_start"]
         assert isinstance(start, wasmtime.Func)
         if self._stopped.is_set():
-            raise _Stopped
+            raise Stopped
         try:
             start(store)
-        except (wasmtime.Trap, wasmtime.WasmtimeError, _GuestFault, _Stopped) as failure:
+        except (wasmtime.Trap, wasmtime.WasmtimeError, GuestFault, Stopped) as failure:
             raise _Ended(failure, peak) from None
         return peak
 
@@ -483,7 +515,7 @@ class WasmGuest:
         if run is None:
             raise WasmError("the component exports no run")
         if self._stopped.is_set():
-            raise _Stopped
+            raise Stopped
         result = run(store, self._args)
         return int(result) if isinstance(result, int) else 1
 
@@ -541,27 +573,27 @@ class WasmGuest:
                 if self._stopped.is_set():
                     # The call itself goes on (a dispatched handler is never
                     # cancelled: it is recorded); only the guest stops waiting.
-                    raise _Stopped from None
+                    raise Stopped from None
 
     def _answer(
         self, caller: wasmtime.Caller, reply: tuple[int, bytes], out: int, cap: int, length: int
     ) -> int:
         status, body = reply
         self._reply = body
-        _write(caller, length, len(body).to_bytes(4, "little"))
-        if len(body) <= cap & _U32:
-            _write(caller, out, body)
+        write(caller, length, len(body).to_bytes(4, "little"))
+        if len(body) <= cap & U32:
+            write(caller, out, body)
         return status
 
     def _import_call(
         self, caller: wasmtime.Caller, request: int, size: int, out: int, cap: int, length: int
     ) -> int:
         _check_reply_room(caller, out, cap, length)  # before anything runs
-        size &= _U32
+        size &= U32
         if size > self._imports.max_body:
             answer = self._imports.oversized(self._execution)  # unread
         else:
-            request_bytes = _read(caller, request, size)
+            request_bytes = read(caller, request, size)
             answer = self._await(self._imports.call(self._execution, request_bytes))
         return self._answer(caller, answer, out, cap, length)
 
@@ -576,10 +608,10 @@ class WasmGuest:
         length: int,
     ) -> int:
         _check_reply_room(caller, out, cap, length)
-        start, count = call_id & _U32, size & _U32
-        if start + count > _memory(caller).data_len(caller):  # all of it, as `call` checks
-            raise _GuestFault(f"the call id at {start} (+{count}) is outside the guest's memory")
-        raw = _read(caller, call_id, min(count, 1024))
+        start, count = call_id & U32, size & U32
+        if start + count > guest_memory(caller).data_len(caller):  # all of it, as `call` checks
+            raise GuestFault(f"the call id at {start} (+{count}) is outside the guest's memory")
+        raw = read(caller, call_id, min(count, 1024))
         job = self._imports.status(self._execution, raw.decode("utf-8", "replace"), wait_ms)
         return self._answer(caller, self._await(job), out, cap, length)
 
@@ -589,21 +621,10 @@ class WasmGuest:
         return self._answer(caller, answer, out, cap, length)
 
     def _import_reply(self, caller: wasmtime.Caller, out: int, cap: int) -> int:
-        if len(self._reply) > cap & _U32:
+        if len(self._reply) > cap & U32:
             return -len(self._reply)
-        _write(caller, out, self._reply)
+        write(caller, out, self._reply)
         return len(self._reply)
-
-
-class _GuestFault(Exception):
-    """An import was handed a pointer outside the guest's memory."""
-
-
-def _memory(caller: wasmtime.Caller) -> wasmtime.Memory:
-    memory = caller.get("memory")
-    if not isinstance(memory, wasmtime.Memory):
-        raise _GuestFault("the module exports no memory named 'memory' for the hostcall imports")
-    return memory
 
 
 def _check_reply_room(caller: wasmtime.Caller, out: int, cap: int, length: int) -> None:
@@ -611,28 +632,10 @@ def _check_reply_room(caller: wasmtime.Caller, out: int, cap: int, length: int) 
     before a call runs: a guest cannot make a call whose answer it cannot take.
     (Memory never shrinks, and the guest is blocked until the answer: they
     stay valid.)"""
-    size = _memory(caller).data_len(caller)
+    size = guest_memory(caller).data_len(caller)
     for start, count, what in (
-        (out & _U32, cap & _U32, "reply buffer"),
-        (length & _U32, 4, "reply length"),
+        (out & U32, cap & U32, "reply buffer"),
+        (length & U32, 4, "reply length"),
     ):
         if start + count > size:
-            raise _GuestFault(f"the {what} at {start} (+{count}) is outside the guest's memory")
-
-
-def _read(caller: wasmtime.Caller, pointer: int, size: int) -> bytes:
-    memory = _memory(caller)
-    start = pointer & _U32
-    if start + size > memory.data_len(caller):
-        raise _GuestFault(f"a hostcall import read {size} bytes at {start}: outside its memory")
-    return bytes(memory.read(caller, start, start + size))
-
-
-def _write(caller: wasmtime.Caller, pointer: int, data: bytes) -> None:
-    memory = _memory(caller)
-    start = pointer & _U32
-    if start + len(data) > memory.data_len(caller):
-        raise _GuestFault(
-            f"a hostcall import wrote {len(data)} bytes at {start}: outside its memory"
-        )
-    memory.write(caller, data, start)
+            raise GuestFault(f"the {what} at {start} (+{count}) is outside the guest's memory")

@@ -8,6 +8,7 @@ import asyncio
 import json
 import sys
 import threading
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -400,6 +401,49 @@ WAT_OTHER_IMPORT = '(module (import "env" "system" (func)) (func (export "_start
 WAT_UNKNOWN_HOSTCALL = '(module (import "hostcall" "exec" (func)) (func (export "_start")))'
 
 
+@pytest.mark.parametrize("stop", ["timeout", "cancel"])
+async def test_a_wasm_module_asleep_in_wasi_is_stopped_at_once_and_its_thread_ends(
+    tmp_path: Path, agent_wasm: Path, stop: str
+) -> None:
+    """wasmtime's own poll_oneoff sleeps through the epoch: the agent's
+    ``nanosleep`` of an hour held its thread past the grace (reported
+    ``cancelled``). hostcall's poll_oneoff looks at the stop every 0.1 s."""
+    before = set(threading.enumerate())
+    async with Supervisor(tmp_path / "state", stop_grace_s=STEP_TIMEOUT_S) as sup:
+        started: asyncio.Future[Execution] = asyncio.get_running_loop().create_future()
+        run = asyncio.create_task(
+            sup.run(
+                scenario_plan(Ledger()),
+                ["sleep", "3600"],
+                wasm=agent_wasm,
+                limits=Limits(timeout_s=0.5 if stop == "timeout" else None),
+                on_start=started.set_result,
+            )
+        )
+        execution = await asyncio.wait_for(started, STEP_TIMEOUT_S)
+        if stop == "cancel":
+            assert sup.cancel(execution.execution_id)
+        outcome = await asyncio.wait_for(run, STEP_TIMEOUT_S * 2)
+    expected = ("timeout", 124) if stop == "timeout" else ("cancelled", 143)
+    assert (outcome.last.reason, outcome.exit_status) == expected
+    if stop == "timeout":  # asleep by then; a cancel may find it before its sleep
+        assert outcome.last.peak_rss_bytes, "the guest's own end, not 'did not stop'"
+    left = [t for t in threading.enumerate() if t.name == "hostcall-wasm" and t not in before]
+    assert not [t for t in left if t.is_alive()]
+
+
+async def test_a_wasm_module_sleeps_as_long_as_it_asked_across_the_slices(
+    tmp_path: Path, agent_wasm: Path
+) -> None:
+    """A sleep longer than a slice (0.1 s) neither ends early nor restarts."""
+    async with Supervisor(tmp_path / "state") as sup:
+        outcome = await sup.run(scenario_plan(Ledger()), ["sleep", "0.35"], wasm=agent_wasm)
+        log = sup.state.logs_dir / outcome.invocation_id / f"{outcome.execution_id}.stdout.log"
+        said = log.read_text().split()
+    assert outcome.exit_status == 0
+    assert said[0] == "slept" and float(said[1]) >= 0.35
+
+
 async def test_a_guest_handing_the_imports_bad_memory_traps_alone(tmp_path: Path) -> None:
     (tmp_path / "bad.wat").write_text(WAT_BAD_POINTER)
     (tmp_path / "huge.wat").write_text(WAT_HUGE_REQUEST)
@@ -532,6 +576,30 @@ async def test_hostcall_run_wasm_runs_a_module_and_reports_its_outcome(
     assert "cannot start" in missing[2]
 
 
+async def test_hostcall_run_wasm_exits_124_on_its_timeout_never_aborting(
+    tmp_path: Path, agent_wasm: Path
+) -> None:
+    """A stopped guest's store used to be freed by the collector as the
+    interpreter exited; wasmtime then dropped its output streams on a thread
+    of its own, calling back into a dying Python: about one run in two
+    aborted (exit 134) instead of exiting 124. Four runs, side by side."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text("[plan]\nname = 'cli-wasm-timeout'\n")
+
+    def run(n: int, *argv: str) -> Awaitable[tuple[int, str, str]]:
+        return hostcall_cli(
+            "run", "--state-dir", str(tmp_path / f"state{n}"), "--plan", str(plan),
+            "--timeout", "1", "--wasm", str(agent_wasm), "--", *argv,
+        )  # fmt: skip
+
+    ran = await asyncio.gather(
+        run(1, "spin"), run(2, "spin"), run(3, "spin"), run(4, "sleep", "3600")
+    )
+    for code, _, err in ran:
+        assert "panicked" not in err
+        assert code == 124, err
+
+
 def test_wasm_guest_threads_never_hold_the_supervisor_after_it_closes(
     tmp_path: Path, agent_wasm: Path
 ) -> None:
@@ -574,6 +642,22 @@ async def test_a_python_component_is_stopped_by_the_timeout_and_its_cpu_limit(
     assert spent.last.cpu_s >= 0.5
     # Compiled once (~8 s), kept in the state dir for the next supervisor (0600).
     assert len(cached) == 1 and cached[0].stat().st_mode & 0o777 == 0o600
+
+
+async def test_a_component_asleep_in_wasi_ends_for_what_stopped_it(
+    tmp_path: Path, agent_component: Path
+) -> None:
+    """A component's WASI sleep is wasmtime's own, which no stop interrupts
+    (docs/wasm.md, Limits): after the grace the execution ends for the
+    timeout, not as ``cancelled``; its thread sleeps on to the end (3 s here)."""
+    async with Supervisor(tmp_path / "state", stop_grace_s=0.2) as sup:
+        asleep = await sup.run(
+            scenario_plan(Ledger()),
+            ["sleep", "3"],
+            wasm=agent_component,
+            limits=Limits(timeout_s=0.5),
+        )
+    assert (asleep.last.reason, asleep.exit_status) == ("timeout", 124)
 
 
 WAT_COMPONENT_OTHER_IMPORT = """

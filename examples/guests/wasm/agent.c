@@ -21,6 +21,7 @@
  *   env              prints its argv and environment, one per line
  *   write PATH TEXT  writes TEXT to PATH (a preopened folder's), exits 5 if it cannot
  *   spin             burns CPU until stopped
+ *   sleep SECONDS    sleeps (WASI's poll_oneoff), then prints "slept <seconds measured>"
  *   grow MIB         allocates MIB MiB a MiB at a time, touching every page
  */
 #include <stdint.h>
@@ -201,6 +202,21 @@ int main(int argc, char **argv) {
         volatile uint64_t n = 0;
         for (;;) n++;
     }
+    if (argc == 3 && strcmp(argv[1], "sleep") == 0) {
+        /* nanosleep is WASI's poll_oneoff with one relative clock. */
+        double seconds = atof(argv[2]);
+        struct timespec wait = {(time_t)seconds, (long)((seconds - (time_t)seconds) * 1e9)};
+        struct timespec start, end;
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        if (nanosleep(&wait, NULL) != 0) {
+            perror("agent: sleep");
+            return 6;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &end);
+        printf("slept %.3f\n",
+               (double)(end.tv_sec - start.tv_sec) + (double)(end.tv_nsec - start.tv_nsec) / 1e9);
+        return 0;
+    }
     if (argc == 3 && strcmp(argv[1], "grow") == 0) {
         /* A MiB at a time, as a program that keeps allocating does. */
         for (int mib = 0; mib < atoi(argv[2]); mib++) {
@@ -214,6 +230,6 @@ int main(int argc, char **argv) {
         return 0;
     }
     fprintf(stderr, "usage: agent.wasm steps STEP... | bench TOOL SECONDS | calls FILE OUT | env"
-                    " | write PATH TEXT | spin | grow MIB\n");
+                    " | write PATH TEXT | spin | sleep SECONDS | grow MIB\n");
     return 2;
 }

@@ -17,6 +17,7 @@ Modes (argv), as the C guest's (``agent.c``):
                   unmeasured, then SECONDS; prints {"calls", "seconds", "p50_us", "p99_us"}
   env             prints its argv and environment, one per line
   spin            burns CPU until stopped
+  sleep SECONDS   sleeps (WASI's poll), then prints ``slept <seconds measured>``
 """
 
 from __future__ import annotations
@@ -85,5 +86,10 @@ class WitWorld(wit_world.WitWorld):
         if args == ["spin"]:
             while True:
                 pass
-        print("usage: agent-py.wasm steps STEP... | env | spin", file=sys.stderr)
+        if args[:1] == ["sleep"] and len(args) == 2:
+            started = time.monotonic()
+            time.sleep(float(args[1]))
+            print(f"slept {time.monotonic() - started:.3f}")
+            return 0
+        print("usage: agent-py.wasm steps STEP... | env | spin | sleep SECONDS", file=sys.stderr)
         return 2
