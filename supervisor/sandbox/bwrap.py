@@ -44,7 +44,7 @@ from supervisor.sandbox.paths import (
     is_within,
     mount_points,
 )
-from supervisor.sandbox.policy import SandboxError, SandboxPolicy, check_writable
+from supervisor.sandbox.policy import SandboxError, SandboxPolicy, check_links, check_writable
 from supervisor.sandbox.seccomp import supported as seccomp_supported
 from supervisor.sandbox.seccomp import syscall_filter
 
@@ -199,6 +199,7 @@ class SandboxHost:
                 or not writable by the guest's uid.
         """
         check_writable(policy, trusted, state_dir)
+        check_links(policy, self.account.uid if self.root else None)
         for path in policy.writable:
             self._prepare_writable(path)
         for path in policy.read_only:

@@ -33,6 +33,7 @@ __all__ = [
     "is_within",
     "mount_points",
     "reachable",
+    "symlinks_on_the_way",
 ]
 
 #: How many symlink hops and ``#!`` levels are followed before giving up.
@@ -108,6 +109,35 @@ def _symlink_hops(path: Path) -> list[Path]:
     if real not in hops:
         hops.append(real)
     return hops
+
+
+def symlinks_on_the_way(path: Path) -> list[Path]:
+    """Every symlink met resolving ``path`` (absolute), in order, each named by
+    its real place (its folder resolved): the links in its folders, the links
+    those lead through, and ``path`` itself if it is one."""
+    found: list[Path] = []
+    current = Path("/")
+    todo = list(path.parts[1:])
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.parent
+            continue
+        candidate = current / part
+        try:
+            target = os.readlink(candidate)
+        except OSError:  # not a symlink, or missing: go on lexically
+            current = candidate
+            continue
+        found.append(candidate)
+        if len(found) > _MAX_HOPS:
+            break  # a loop: the kernel would refuse it (ELOOP)
+        if os.path.isabs(target):
+            current = Path("/")
+        todo = [*Path(target).parts[1 if os.path.isabs(target) else 0 :], *todo]
+    return found
 
 
 def _shebang(path: Path) -> list[str]:

@@ -27,9 +27,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from supervisor.errors import HostcallError
-from supervisor.sandbox.paths import is_within
+from supervisor.sandbox.paths import is_within, symlinks_on_the_way
 
-__all__ = ["Network", "SandboxError", "SandboxPolicy", "check_writable", "trusted_paths"]
+__all__ = [
+    "Network",
+    "SandboxError",
+    "SandboxPolicy",
+    "check_links",
+    "check_writable",
+    "trusted_paths",
+]
 
 Network = Literal["none", "host"]
 
@@ -175,3 +182,41 @@ def check_writable(policy: SandboxPolicy, trusted: Iterable[Path], state_dir: Pa
                     "imports or trusts; a guest writing there would run code in the supervisor. "
                     "Name a folder that holds none of it"
                 )
+
+
+def check_links(policy: SandboxPolicy, guest_uid: int | None) -> None:
+    """Refuse a plan path reached through a symlink a guest could have made.
+
+    A guest may leave a symlink in what it may write. Were a plan path's way
+    through it, the guest would choose what a later guest gets mounted there
+    — its user's home, read-write, say. Refused: a symlink inside one of this
+    plan's writable paths, and, when the guests have a uid of their own
+    (``guest_uid``: the supervisor runs as root), a symlink that uid owns,
+    wherever it is (another plan's folder). An unprivileged supervisor's guests
+    share its uid, so such a link made through another plan is not told from
+    the user's own (docs/security.md, Not defended).
+
+    Raises:
+        SandboxError: with a one-line reason naming the path and the link.
+    """
+    writable = [Path(os.path.realpath(p)) for p in policy.writable]
+    for path in (*policy.read_only, *policy.writable):
+        for link in symlinks_on_the_way(path):
+            inside = next((w for w in writable if is_within(link, w)), None)
+            if inside is not None:
+                raise SandboxError(
+                    f"[sandbox] {path} is reached through the symlink {link}, inside the "
+                    f"writable path {inside}: a guest could have made it; name the real path"
+                )
+            if guest_uid is not None and _owner(link) == guest_uid:
+                raise SandboxError(
+                    f"[sandbox] {path} is reached through the symlink {link}, which a guest "
+                    f"made (uid {guest_uid}): name the real path"
+                )
+
+
+def _owner(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_uid
+    except OSError:  # gone since: bubblewrap will find nothing there
+        return None

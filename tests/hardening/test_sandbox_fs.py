@@ -682,6 +682,48 @@ def test_a_hidden_path_stays_absent_when_a_read_only_symlink_shows_its_folder_el
     assert guest_report(done) == dict.fromkeys(routes, "absent")
 
 
+#: Swaps the folder on the way to its plan's nested writable path for a
+#: symlink to a folder of its user's.
+PLANT_LINK = r"""
+ws, victim = CONFIG["ws"], CONFIG["victim"]
+def plant():
+    os.rename(ws + "/a", ws + "/a-was")
+    os.symlink(victim, ws + "/a")
+report(plant=outcome(plant))
+"""
+
+
+def test_a_symlink_a_guest_leaves_in_its_writable_folder_redirects_no_later_mount(
+    account: Account, stage: Path
+) -> None:
+    """``read_write = [ws, ws/a/b]``: a guest swaps ``ws/a`` for a symlink to a
+    folder of its user's. The next launch must refuse the plan, not make
+    (as root: make and chown) that folder's ``b`` and mount it read-write."""
+    ws, victim = stage / "ws", account.home / "victim"
+    victim.mkdir()
+    own(victim, account)
+    plan = write_plan(account, stage / "plan", f'read_write = ["{ws}", "{ws / "a" / "b"}"]\n')
+    config = {"ws": str(ws), "victim": str(victim)}
+    state = account.home / "state"
+    first, _ = hostcall_run(
+        account, PLANT_LINK, config, cwd=account.home, plan=plan, state_dir=state
+    )
+    assert guest_report(first) == {"plant": "ok"}
+    target = str(ws / "a" / "b" / "planted")
+    second, _ = hostcall_run(
+        account,
+        "open(CONFIG, 'w').write('x')",
+        target,
+        cwd=account.home,
+        plan=plan,
+        state_dir=state,
+    )
+    lines = second.stderr.strip().splitlines()
+    assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
+    assert "inside the writable path" in lines[0]
+    assert list(victim.iterdir()) == []
+
+
 def test_a_read_write_folder_inside_the_launch_folder_is_written_on_the_host(
     account: Account, stage: Path, request: pytest.FixtureRequest
 ) -> None:

@@ -20,9 +20,15 @@ import pytest
 
 from supervisor.errors import PlanError
 from supervisor.plan import Plan
-from supervisor.sandbox import SandboxError, SandboxPolicy, check_writable, trusted_paths
 from supervisor.sandbox.layout import GUEST_SOCKET, GUEST_WORKDIR, Layout
-from supervisor.sandbox.paths import Account, command_paths, reachable
+from supervisor.sandbox.paths import Account, command_paths, reachable, symlinks_on_the_way
+from supervisor.sandbox.policy import (
+    SandboxError,
+    SandboxPolicy,
+    check_links,
+    check_writable,
+    trusted_paths,
+)
 
 NOBODY = Account(65534, 65534)
 
@@ -109,6 +115,39 @@ def test_a_plan_cannot_make_the_state_dir_or_the_tools_writable(tmp_path: Path) 
         with pytest.raises(SandboxError, match=why):
             check_writable(policy, trusted, state)
     check_writable(SandboxPolicy(read_write=(tmp_path / "workspace",)), trusted, state)
+
+
+def test_every_symlink_on_the_way_to_a_path_is_found_at_its_real_place(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    (real / "deep").mkdir(parents=True)
+    (tmp_path / "hop").symlink_to("real")  # relative
+    (real / "up").symlink_to(tmp_path / "hop" / "deep")  # absolute, through another link
+    (tmp_path / "loop").symlink_to("loop")
+    path = tmp_path / "hop" / "up" / ".." / "deep" / "missing"
+    assert symlinks_on_the_way(path) == [tmp_path / "hop", real / "up", tmp_path / "hop"]
+    assert symlinks_on_the_way(real / "deep") == []
+    assert len(symlinks_on_the_way(tmp_path / "loop" / "x")) == 41  # bounded
+
+
+def test_a_plan_path_through_a_link_a_guest_could_have_made_is_refused(tmp_path: Path) -> None:
+    """A guest may leave a symlink in what it may write; a later guest's plan
+    path through it would be mounted wherever the first one chose."""
+    shared, home = tmp_path / "shared", tmp_path / "home"
+    shared.mkdir()
+    home.mkdir()
+    (shared / "inputs").symlink_to(home)
+    nested = SandboxPolicy(read_write=(shared, shared / "inputs" / "cache"))
+    with pytest.raises(SandboxError, match="inside the writable path"):
+        check_links(nested, None)
+    with pytest.raises(SandboxError, match="inside the writable path"):
+        check_links(SandboxPolicy(workdir=shared, read_only=(shared / "inputs",)), None)
+    # Another plan's folder: told by its owner when guests have a uid of their own.
+    elsewhere = SandboxPolicy(read_only=(shared / "inputs",))
+    check_links(elsewhere, None)
+    with pytest.raises(SandboxError, match="which a guest made"):
+        check_links(elsewhere, os.lstat(shared / "inputs").st_uid)
+    # The operator's own links stay: one outside every writable path, not the guests'.
+    check_links(SandboxPolicy(read_write=(shared / "inputs",)), os.getuid() + 1)
 
 
 def test_a_sandbox_table_in_a_plan_file_resolves_relative_paths_against_the_plan(
