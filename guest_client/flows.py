@@ -178,13 +178,17 @@ def status_flow(budget: Budget, call_id: str, wait: float | None) -> Flow[dict[s
         or not 0 <= wait <= MAX_POLL_WAIT_S
     ):
         raise ValueError(f"wait must be 0-{MAX_POLL_WAIT_S} seconds, not {wait!r}")
-    path = call_path(call_id, wait)
-    return _status(budget, path, call_id, wait or 0)
+    return _status(budget, call_id, wait)
 
 
-def _status(budget: Budget, path: str, call_id: str, wait: float) -> Flow[dict[str, Any]]:
+def _status(budget: Budget, call_id: str, wait: float | None) -> Flow[dict[str, Any]]:
     def get(timeout: float) -> Request:
-        return Request("GET", path, None, max(timeout, wait + POLL_GRACE_S))
+        if wait is None:
+            return Request("GET", call_path(call_id), None, timeout)
+        # The deadline wins: a wait that would outlast it is shortened, as a
+        # call's long-poll is.
+        asked = wait if timeout >= wait + POLL_GRACE_S else poll_wait(timeout)
+        return Request("GET", call_path(call_id, asked), None, timeout)
 
     response = yield from _send(budget, get, call_id)
     return interpret_status(response, call_id)

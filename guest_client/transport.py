@@ -11,6 +11,7 @@ import _thread
 import http.client
 import os
 import socket
+import time
 
 from guest_client.wire import Response, TransportFailure
 
@@ -30,21 +31,59 @@ MAX_IDLE_CONNECTIONS = 4
 _STALE_ERRORS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 
 
+class _DeadlineSocket(socket.socket):
+    """A socket whose blocking operations all end by one `deadline` (a
+    `time.monotonic()` value), not each within a timeout of its own: a host
+    that drips its answer a byte at a time cannot stretch a request."""
+
+    __slots__ = ("deadline",)
+
+    def __init__(self) -> None:
+        super().__init__(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.deadline: float | None = None
+
+    def _arm(self) -> None:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            self.settimeout(left)
+
+    def connect(self, address: object) -> None:
+        self._arm()
+        super().connect(address)  # type: ignore[arg-type]
+
+    def sendall(self, data: object, flags: int = 0) -> None:
+        self._arm()
+        super().sendall(data, flags)  # type: ignore[arg-type]
+
+    def recv_into(self, buffer: object, nbytes: int = 0, flags: int = 0) -> int:
+        self._arm()
+        return super().recv_into(buffer, nbytes, flags)  # type: ignore[arg-type]
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        self._arm()
+        return super().recv(bufsize, flags)
+
+
 class UnixHTTPConnection(http.client.HTTPConnection):
     """An `http.client.HTTPConnection` to a Unix socket instead of a TCP port.
 
-    Requests carry `Host: localhost`.
+    Requests carry `Host: localhost`. With `deadline` (a `time.monotonic()`
+    value) set, connecting, sending and every read end by it.
     """
 
     def __init__(self, socket_path: str, timeout: float | None = None) -> None:
         super().__init__("localhost", timeout=timeout)
         self.socket_path = socket_path
+        self.deadline: float | None = None
 
     def connect(self) -> None:
-        """Connect to `socket_path`, within `timeout`."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        """Connect to `socket_path`, within `timeout` and by `deadline`."""
+        sock = _DeadlineSocket()
         try:
             sock.settimeout(self.timeout)
+            sock.deadline = self.deadline
             sock.connect(self.socket_path)
         except BaseException:
             sock.close()
@@ -82,18 +121,20 @@ class UnixTransport:
             TransportFailure: No complete response arrived.
             RuntimeError: The transport is closed.
         """
+        # One deadline for the whole exchange, a resend on a new connection included.
+        deadline = time.monotonic() + request.timeout
         sent_before = False
         connection = self._checkout()
         if connection is not None:
             try:
-                return self._exchange(connection, request)
+                return self._exchange(connection, request, deadline)
             except TransportFailure as failure:
                 if not isinstance(failure.__cause__, _STALE_ERRORS):
                     raise
                 # It may have reached the host before the close: say so if
                 # the second try fails before sending anything.
                 sent_before = True
-        return self._exchange(self._open(request.timeout, sent_before), request)
+        return self._exchange(self._open(deadline, sent_before), request, deadline)
 
     def close(self) -> None:
         """Close the idle connections; connections in use close when done."""
@@ -103,8 +144,9 @@ class UnixTransport:
         for connection in idle:
             connection.close()
 
-    def _open(self, timeout: float, sent_before: bool) -> UnixHTTPConnection:
-        connection = UnixHTTPConnection(self._socket_path, timeout)
+    def _open(self, deadline: float, sent_before: bool) -> UnixHTTPConnection:
+        connection = UnixHTTPConnection(self._socket_path)
+        connection.deadline = deadline
         try:
             connection.connect()
         except OSError as exc:
@@ -115,14 +157,17 @@ class UnixTransport:
             ) from exc
         return connection
 
-    def _exchange(self, connection: UnixHTTPConnection, request: Request) -> Response:
+    def _exchange(
+        self, connection: UnixHTTPConnection, request: Request, deadline: float
+    ) -> Response:
         headers = dict(self._headers)
         headers["Accept"] = "application/json"
         if request.body is not None:
             headers["Content-Type"] = "application/json"
         try:
-            if connection.sock is not None:
-                connection.sock.settimeout(request.timeout)
+            connection.deadline = deadline
+            if isinstance(connection.sock, _DeadlineSocket):
+                connection.sock.deadline = deadline
             connection.request(request.method, request.path, body=request.body, headers=headers)
             raw = connection.getresponse()
             data = raw.read()

@@ -65,7 +65,15 @@ class Recorded:
         return json.loads(self.body)
 
 
-Entry = Reply | Drop | Hang | Callable[[Recorded], "Reply | Drop | Hang"]
+@dataclass(frozen=True)
+class Drip:
+    """Answer with `reply`, a byte every `interval` seconds."""
+
+    reply: Reply
+    interval: float
+
+
+Entry = Reply | Drop | Hang | Drip | Callable[[Recorded], "Reply | Drop | Hang | Drip"]
 
 DROP = Drop()
 HANG = Hang()
@@ -144,6 +152,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.server.host.released.wait(HANG_LIMIT_S)
             self.close_connection = True
             return
+        if isinstance(entry, Drip):
+            self._drip(entry)
+            return
         payload = entry.body if isinstance(entry.body, bytes) else json.dumps(entry.body).encode()
         self.send_response(entry.status)
         self.send_header("Content-Type", "application/json")
@@ -154,6 +165,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(payload)
         if entry.connection_close or entry.close_silently:
             self.close_connection = True
+
+    def _drip(self, drip: Drip) -> None:
+        body = drip.reply.body
+        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+        head = (
+            f"HTTP/1.1 {drip.reply.status} OK\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n"
+        ).encode()
+        self.close_connection = True
+        for i, byte in enumerate(head + payload):
+            if i and self.server.host.released.wait(drip.interval):
+                return  # the host stops
+            try:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            except OSError:
+                return  # the client gave up
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):

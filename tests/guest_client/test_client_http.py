@@ -18,6 +18,7 @@ from client_fakehost import (
     HANG,
     INVOCATION,
     PLAN_HASH,
+    Drip,
     MakeClient,
     Reply,
     ScriptedHost,
@@ -354,6 +355,21 @@ def test_a_host_that_never_answers_fails_by_the_deadline(
     assert "TimeoutError" in str(caught.value)
 
 
+def test_a_host_that_drips_its_answer_fails_by_the_deadline(
+    host: ScriptedHost, make_client: MakeClient
+) -> None:
+    """A byte every 20 ms would take 4 s to give the whole answer; each read
+    alone is quick. The deadline bounds the whole exchange, not each read."""
+    host.default = Drip(ok("c", "x" * 100), interval=0.02)
+    policy = RetryPolicy(attempts=100, backoff_base=0.01, backoff_max=0.02, deadline=0.5)
+
+    with make_client(policy) as client, pytest.raises(TransportError) as caught:
+        client.call("charge", call_id="c")
+
+    assert caught.value.may_have_run
+    assert "TimeoutError" in str(caught.value)
+
+
 def test_a_kept_alive_connection_is_reused(host: ScriptedHost, client: HostClient) -> None:
     host.answer(ok("a", 1), ok("b", 2))
 
@@ -390,12 +406,27 @@ def test_status_returns_the_state_of_the_call_without_raising(
     )
 
     assert client.status("c")["error"]["code"] == "not_found"
-    assert client.status("c", wait=5)["reason"] == "in_flight"
+    assert client.status("c", wait=2)["reason"] == "in_flight"
     assert client.status("c")["result"] == 3
 
     paths = [request.path for request in host.requests]
-    assert paths == ["/v1/calls/c", "/v1/calls/c?wait=5", "/v1/calls/c"]
+    assert paths == ["/v1/calls/c", "/v1/calls/c?wait=2", "/v1/calls/c"]
     assert {request.method for request in host.requests} == {"GET"}
+
+
+def test_a_status_wait_longer_than_its_timeout_is_shortened_to_fit(
+    host: ScriptedHost, client: HostClient
+) -> None:
+    """The deadline is the whole operation's: asking the host to hold the
+    request 30 s when 10 are left would end in a timeout, not an answer."""
+    host.answer(ambiguous("c", "in_flight"), ambiguous("c", "in_flight"))
+
+    assert client.status("c", wait=30, timeout=10)["reason"] == "in_flight"
+    assert client.status("c", wait=30, timeout=1)["reason"] == "in_flight"
+
+    waits = [float(request.path.partition("?wait=")[2]) for request in host.requests]
+    assert 6 <= waits[0] <= 8  # 10 s, less the 2 s the answer may take, in whole seconds
+    assert waits[1] == 0
 
 
 def test_status_raises_refused_when_the_request_itself_is_refused(
