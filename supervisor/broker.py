@@ -380,6 +380,11 @@ class Broker:
         blocked = self.dispatch_blocker()
         if blocked is not None:
             raise blocked
+        if reservation is not None and self.deadline_at is not None:
+            # The reservation was made before the approval wait; the store
+            # checks the deadline only for a charge. No call dispatches after it.
+            if self.clock() >= self.deadline_at:
+                raise budget_refusal("deadline")
         if ticket is not None:
             lapsed = claim_refusal(ticket.claim_dispatch(), ticket.approval_id)
             if lapsed is not None:

@@ -218,6 +218,23 @@ async def test_expire_then_approve_fails_the_decision_and_the_call(rig: Rig) -> 
     assert rig.ledger.runs == {}
 
 
+async def test_a_call_approved_after_the_invocations_deadline_does_not_run(rig: Rig) -> None:
+    """Its reservation was made in time, before the approval wait; the
+    deadline still holds at BeginDispatch, and the reservation goes back."""
+    rig.broker.deadline_at = rig.clock() + 60
+    task = rig.call("c1", "pay", {"account": "a", "cents": 5})
+    proposal_id = await rig.proposal()
+    rig.clock.now += 61  # the approval lease (300 s) still runs
+    rig.approvals.approve(proposal_id)
+    reply = await reply_of(task)
+    invocation = await rig.store.get_invocation(INV)
+    assert reply.error is not None
+    assert (reply.error["code"], reply.http_status) == ("budget_exhausted", 429)
+    assert rig.ledger.runs == {}
+    assert invocation is not None
+    assert invocation.used.calls == 0
+
+
 async def test_approve_then_cancel_before_dispatch_is_cancelled_with_no_call(rig: Rig) -> None:
     task = rig.call("c1", "pay", {"account": "a", "cents": 5})
     proposal_id = await rig.proposal()
