@@ -28,7 +28,7 @@ from channel.peer import peer_credentials, still_alive
 from channel.wire import parse_strict_json
 from supervisor.activity import Activity, notice_json
 from supervisor.approvals import ApprovalController, ProposalNotFound, ProposalNotWaiting
-from supervisor.errors import HostcallError, Refusal, WasmError
+from supervisor.errors import HostcallError, Refusal, WasmBusy, WasmError
 from supervisor.executions import Execution
 from supervisor.gc import collect
 from supervisor.metrics import CONTENT_TYPE, Metrics
@@ -397,6 +397,8 @@ class AdminServer:
             raise Refusal("bad_request", f"cannot start {program!r}: {exc.strerror}") from None
         except WasmError as exc:
             raise Refusal("bad_request", str(exc)) from None
+        except WasmBusy as exc:
+            return _error(503, exc.code, str(exc))
         return web.json_response(execution.describe(), status=201)
 
     async def _activity(self, request: web.Request) -> web.Response:

@@ -380,11 +380,11 @@ class Broker:
         blocked = self.dispatch_blocker()
         if blocked is not None:
             raise blocked
-        if reservation is not None and self.deadline_at is not None:
-            # The reservation was made before the approval wait; the store
-            # checks the deadline only for a charge. No call dispatches after it.
-            if self.clock() >= self.deadline_at:
-                raise budget_refusal("deadline")
+        # A reservation was made before the approval wait, and the store
+        # checks the deadline only for a charge: no call dispatches after it.
+        deadline = self.deadline_at
+        if reservation is not None and deadline is not None and self.clock() >= deadline:
+            raise budget_refusal("deadline")
         if ticket is not None:
             lapsed = claim_refusal(ticket.claim_dispatch(), ticket.approval_id)
             if lapsed is not None:

@@ -56,6 +56,13 @@ class WasmError(HostcallError):
     code = "wasm_invalid"
 
 
+class WasmBusy(HostcallError):
+    """Too many WebAssembly components stopped while asleep in WASI have not
+    woken yet: each holds a thread and its memory until it does (docs/wasm.md)."""
+
+    code = "wasm_busy"
+
+
 class InvocationMismatch(HostcallError):
     """An existing invocation was resumed with a different plan."""
 

@@ -28,7 +28,7 @@ from supervisor.admin import AdminServer
 from supervisor.approvals import ApprovalController, Approver
 from supervisor.broker import Broker
 from supervisor.cgroups import CgroupHost
-from supervisor.errors import InvocationMismatch
+from supervisor.errors import InvocationMismatch, WasmBusy
 from supervisor.executions import Execution, ExecutionState, ExecutionTable
 from supervisor.guests import GuestLauncher
 from supervisor.hostlog import HostLog, about
@@ -74,6 +74,9 @@ ATTEMPT_BACKOFF_S: Final = 0.5
 ATTEMPT_BACKOFF_MAX_S: Final = 10.0
 #: Worker threads for sync handlers (each blocked handler holds one).
 HANDLER_THREADS: Final = 64
+#: WebAssembly guests stopped while asleep in WASI, still holding their thread
+#: and memory, past which no new WebAssembly guest starts (docs/wasm.md).
+MAX_ASLEEP_WASM: Final = 8
 #: Beyond the stop's grace periods, how long a stop may take to be reported.
 STOPPED_SLACK_S: Final = 5.0
 
@@ -162,6 +165,8 @@ class Supervisor:
         self._cgroups: CgroupHost | None = None
         self._host_log: HostLog | None = None
         self._module_cache: ModuleCache | None = None  # made with the first WebAssembly guest
+        #: WebAssembly guests that did not stop in time, until they end.
+        self._asleep: set[asyncio.Future[WasmOutcome]] = set()
         #: Where WebAssembly guests' calls come in (their socket, so to speak).
         self._imports = Imports(max_body)
         self.recovered_unknown = 0
@@ -341,6 +346,8 @@ class Supervisor:
             InvocationMismatch: the invocation exists with another plan.
             OSError: the command (or module) could not be started.
             WasmError: the module is not one hostcall can run.
+            WasmBusy: too many WebAssembly guests stopped while asleep in WASI
+                have not woken yet (:data:`MAX_ASLEEP_WASM`).
         """
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
@@ -357,6 +364,11 @@ class Supervisor:
             raise ValueError("invocation ids are 1-128 characters of [A-Za-z0-9._:-], not . or ..")
         module = Path(wasm) if wasm is not None else None
         if module is not None:
+            if len(self._asleep) >= MAX_ASLEEP_WASM:
+                raise WasmBusy(
+                    f"{len(self._asleep)} WebAssembly guests stopped while asleep in WASI "
+                    "still hold their threads and memory: no new one until one wakes"
+                )
             await self._wasm_modules(module)  # refuses a bad module before any invocation exists
         await self._open_invocation(plan, invocation_id)  # refuses a mismatched plan first
         launch = _Launch(
@@ -596,6 +608,8 @@ class Supervisor:
                         await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
         if result is None:
             logger.error("WebAssembly guest of %s did not stop in time", execution.execution_id)
+            self._asleep.add(running)
+            running.add_done_callback(self._asleep.discard)
             # Asleep in a component's WASI call (docs/wasm.md): its thread is
             # left to it, and the execution ends for what stopped it.
             result = WasmOutcome(None, guest.stop_reason or "cancelled", 0.0, 0, "did not stop")

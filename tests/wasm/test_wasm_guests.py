@@ -16,13 +16,14 @@ import pytest
 
 from channel.imports import Imports
 from supervisor import Plan, Supervisor, tool
+from supervisor import supervisor as supervisor_module
 from supervisor.admin_client import AdminError, AsyncAdminClient
-from supervisor.errors import WasmError
+from supervisor.errors import WasmBusy, WasmError
 from supervisor.executions import Execution
 from supervisor.limits import Limits
 from supervisor.outcomes import ExecutionOutcome
 from supervisor.sandbox.policy import SandboxPolicy
-from tests.harness import STEP_TIMEOUT_S, Ledger, hostcall_cli
+from tests.harness import STEP_TIMEOUT_S, Ledger, hostcall_cli, wait_until
 
 STEPS_GUEST = Path(__file__).parents[1] / "guests" / "steps.py"
 RECEIPT_TRANSPORT_FIELDS = {
@@ -645,19 +646,30 @@ async def test_a_python_component_is_stopped_by_the_timeout_and_its_cpu_limit(
 
 
 async def test_a_component_asleep_in_wasi_ends_for_what_stopped_it(
-    tmp_path: Path, agent_component: Path
+    tmp_path: Path, agent_component: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A component's WASI sleep is wasmtime's own, which no stop interrupts
     (docs/wasm.md, Limits): after the grace the execution ends for the
-    timeout, not as ``cancelled``; its thread sleeps on to the end (3 s here)."""
-    async with Supervisor(tmp_path / "state", stop_grace_s=0.2) as sup:
+    timeout, not as ``cancelled``; its thread sleeps on to the end (3 s here).
+    While too many sleep on, no new WebAssembly guest starts."""
+    monkeypatch.setattr(supervisor_module, "MAX_ASLEEP_WASM", 1)
+    monkeypatch.setattr(supervisor_module, "STOPPED_SLACK_S", 0.3)  # given up on at ~1 s
+    plan = scenario_plan(Ledger())
+    async with Supervisor(tmp_path / "state", plan=plan, stop_grace_s=0.2) as sup:
         asleep = await sup.run(
-            scenario_plan(Ledger()),
-            ["sleep", "3"],
-            wasm=agent_component,
-            limits=Limits(timeout_s=0.5),
+            plan, ["sleep", "3"], wasm=agent_component, limits=Limits(timeout_s=0.5)
         )
+        with pytest.raises(WasmBusy, match="asleep in WASI"):
+            await sup.run(plan, ["env"], wasm=agent_component)
+        with pytest.raises(AdminError) as busy:
+            await AsyncAdminClient(sup.state.path).request(
+                "POST", "/v1/invocations", {"wasm": str(agent_component), "argv": ["env"]}
+            )
+        await wait_until(lambda: not sup._asleep, "the sleeper woke and ended")
+        woken = await sup.run(plan, ["env"], wasm=agent_component)
     assert (asleep.last.reason, asleep.exit_status) == ("timeout", 124)
+    assert (busy.value.status, busy.value.code) == (503, "wasm_busy")
+    assert woken.exit_status == 0
 
 
 WAT_COMPONENT_OTHER_IMPORT = """
