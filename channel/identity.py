@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import os
 from collections.abc import Mapping
 from typing import Final
@@ -24,6 +25,7 @@ __all__ = [
     "INVOCATION_HEADER",
     "PLAN_HEADER",
     "authenticate",
+    "carries_credential",
     "check_origin",
 ]
 
@@ -75,6 +77,20 @@ def authenticate(headers: Mapping[str, str], directory: ExecutionDirectory) -> E
             "execution_fenced", "this execution has ended, was cancelled or was superseded"
         )
     return execution
+
+
+def carries_credential(headers: Mapping[str, str], body: bytes, decoded: object) -> bool:
+    """Whether an identified request's body holds the credential it was made
+    with: verbatim, or spelled with JSON's ``\\u`` escapes (only then is
+    ``decoded``, the parsed body, looked at). Such a request is refused: the
+    credential would reach the tool, the records, the receipts, the logs and
+    the admin API (SPEC §3)."""
+    token = _bearer_token(headers.get("Authorization"))
+    if token is None:
+        return False
+    if token in body:
+        return True
+    return b"\\u" in body and token.decode() in json.dumps(decoded, ensure_ascii=False)
 
 
 def check_origin(peer: Peer, execution: ExecutionPort, transport: asyncio.BaseTransport) -> None:

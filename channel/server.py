@@ -30,7 +30,7 @@ from channel.connections import (
     default_max_connections,
 )
 from channel.errors import Refusal
-from channel.identity import authenticate, check_origin
+from channel.identity import authenticate, carries_credential, check_origin
 from channel.openapi import OPENAPI_PATH, document_bytes
 from channel.routing import ExecutionDirectory, ExecutionPort
 from channel.wire import CallReply, compact_json, is_valid_id, parse_call_request
@@ -300,7 +300,10 @@ class ChannelServer:
     async def _post_call(
         self, request: web.BaseRequest, execution: ExecutionPort
     ) -> web.StreamResponse:
-        call = parse_call_request(await self._read_body(request))
+        body = await self._read_body(request)
+        call = parse_call_request(body)
+        if carries_credential(request.headers, body, [call.call_id, call.tool, call.args]):
+            raise Refusal("bad_request", "a call may not carry the guest's credential")
         reply = await execution.broker.call(call.call_id, call.tool, call.args)
         return _json_response(reply)
 

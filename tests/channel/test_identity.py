@@ -159,6 +159,37 @@ async def test_the_credential_is_in_neither_the_guest_environment_nor_its_argv(
     assert b"HOSTCALL_CREDENTIAL=" not in environ
 
 
+async def test_a_call_that_carries_the_guests_own_credential_is_refused_and_recorded_nowhere(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    """SPEC §3: the credential never appears in receipts, logs or the admin API.
+    A hostile guest that put it in a call — as its id, its tool, an argument,
+    even spelled with JSON escapes — would have it written to all of them."""
+    async with driven_guest(sup, billing_plan(ledger)) as guest:
+        credential = await guest.credential()
+        escaped = "".join(f"\\u{ord(c):04x}" for c in credential)
+        raw = '{"call_id": "c5", "tool": "lookup", "args": {"account": "' + escaped + '"}}'
+        replies = [
+            await guest.call(credential, "lookup", {"account": "a"}),
+            await guest.call("c2", credential, {}),
+            await guest.call("c3", "lookup", {"account": credential}),
+            await guest.call("c4", "lookup", {"account": "a", credential: 1}),
+            await guest.request(method="POST", path="/v1/calls", raw=raw),
+        ]
+        fine = await guest.call("c6", "lookup", {"account": credential[::-1]})
+        invocation = guest.execution.invocation_id
+        calls = await sup.store.calls(invocation)
+    assert [(r["status"], r["body"]["error"]["code"]) for r in replies] == [
+        (400, "bad_request")
+    ] * 5
+    assert fine["status"] == 200
+    assert [record.call_id for record in calls] == ["c6"]
+    assert ledger.runs["lookup"] == 1
+    for path in sup.state.path.rglob("*"):
+        if path.is_file() and path.suffix in (".jsonl", ".log"):
+            assert credential.encode() not in path.read_bytes(), path
+
+
 async def test_the_supervisor_own_hostcall_variables_are_not_passed_on(
     tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
