@@ -438,29 +438,24 @@ class Broker:
         tool = call.tool
         ambiguous: tuple[type[BaseException], ...] = (*tool.ambiguous_errors, TimeoutError)
         unknown = self.store.mark_unknown
+        in_doubt: BaseException | None = None
         try:
             async with Deadline(tool.timeout_s):
                 raw = await self._invoke(tool, call.model)
-        except asyncio.CancelledError:
-            # The supervisor is shutting down mid-handler: the outcome is in doubt.
-            await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
-            raise
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                # The supervisor is shutting down mid-handler: the outcome is in doubt.
+                await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
+                raise
+            # The handler's own: something it awaited was cancelled midway, which
+            # leaves its effect in doubt, as a timeout does.
+            in_doubt = exc
         except ambiguous as exc:
-            logger.warning(
-                "call %s: %s: outcome unknown (%s: %s)",
-                call.call_id,
-                tool.name,
-                type(exc).__name__,
-                exc,
-                exc_info=exc,
-                extra=self.log_context,
-            )
-            await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
-            reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
-            return _Outcome(reply, ReceiptOutcome.UNKNOWN, approval_id=approval_id)
-        except (Exception, SystemExit) as exc:  # boundary: any other handler error
-            # leaves no effect; SystemExit too (argparse on bad input, sys.exit):
-            # a handler must not stop the supervisor.
+            in_doubt = exc
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # boundary: any other error
+            # leaves no effect; SystemExit and KeyboardInterrupt too (argparse on
+            # bad input, sys.exit): a handler must not stop the supervisor.
             logger.warning(
                 "call %s: %s raised %s: %s",
                 call.call_id,
@@ -480,6 +475,19 @@ class Broker:
                 error={"code": "tool_error", "type": type(exc).__name__, "message": str(exc)},
             )
             return _Outcome(reply, ReceiptOutcome.FAILED, approval_id=approval_id)
+        if in_doubt is not None:
+            logger.warning(
+                "call %s: %s: outcome unknown (%s: %s)",
+                call.call_id,
+                tool.name,
+                type(in_doubt).__name__,
+                in_doubt,
+                exc_info=in_doubt,
+                extra=self.log_context,
+            )
+            await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
+            reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
+            return _Outcome(reply, ReceiptOutcome.UNKNOWN, approval_id=approval_id)
         crash_point("after_handler")
         try:
             result, digest, problem = _checked_result(tool, raw)

@@ -241,15 +241,17 @@ async def test_a_handler_past_its_time_limit_is_cancelled_and_its_outcome_is_unk
     assert (ledger.runs["hangs"], ledger.runs["hangs cancelled"]) == (1, 1)
 
 
+@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt])
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_a_handler_that_raises_system_exit_is_a_tool_error_not_the_end(
-    sup: Supervisor, ledger: Ledger, kind: str
+    sup: Supervisor, ledger: Ledger, kind: str, raised: type[BaseException]
 ) -> None:
-    # argparse on a guest's input calls sys.exit(2): that must not stop the
-    # supervisor (nor leave the record pending).
+    # argparse on a guest's input calls sys.exit(2), a handler may raise
+    # KeyboardInterrupt: neither may stop the supervisor (nor leave the
+    # record pending). KeyboardInterrupt used to end hostcall run (exit 130).
     def exits() -> int:
         ledger.record("exits")
-        raise SystemExit(2)
+        raise raised(2)
 
     async def exits_async() -> int:
         return exits()
@@ -264,11 +266,41 @@ async def test_a_handler_that_raises_system_exit_is_a_tool_error_not_the_end(
         after = await guest.call("x2", "echo", {"text": "still here"})
         records = await sup.store.calls(guest.execution.invocation_id)
     assert first["body"]["error"]["code"] == "tool_error"
-    assert first["body"]["error"]["type"] == "SystemExit"
+    assert first["body"]["error"]["type"] == raised.__name__
     assert first["body"]["effect"] == "failed"
     assert after["status"] == 200 and after["body"]["result"] == "still here"
     assert [r.call_id for r in records] == ["x2"]  # the failed call was released
     assert ledger.runs["exits"] == 1
+
+
+async def test_a_handler_whose_own_await_was_cancelled_is_in_doubt_and_answered(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    """An async handler that raises CancelledError of its own (something it
+    awaited was cancelled midway) used to get no answer at all: the request's
+    task took it for its own cancellation. Its effect is in doubt, as after a
+    timeout: 409 ambiguous unknown, and a retry never runs it again."""
+
+    @tool(reversibility="irreversible")
+    async def cancels() -> int:
+        ledger.record("cancels")
+        inner = asyncio.get_running_loop().create_future()
+        inner.cancel()
+        return int(await inner)
+
+    plan = Plan([cancels, _echo], name="cancels-test")
+    async with driven_guest(sup, plan) as guest:
+        first = await guest.call("k1", "cancels", {})
+        again = await guest.call("k1", "cancels", {})
+        after = await guest.call("k2", "echo", {"text": "still here"})
+    assert (first["status"], first["body"]["effect"], first["body"]["reason"]) == (
+        409,
+        "unknown",
+        "unknown",
+    )
+    assert (again["status"], again["body"]["effect"]) == (409, "unknown")
+    assert after["status"] == 200
+    assert ledger.runs["cancels"] == 1
 
 
 class _Unreadable(dict[str, Any]):
