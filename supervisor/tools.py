@@ -17,7 +17,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar, overload
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PydanticUserError,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+)
 
 from channel.wire import MAX_TOOL_NAME, is_tool_name
 from supervisor.errors import EffectOutcomeUnknown, PlanError, Refusal
@@ -412,7 +419,22 @@ def _output(
         item_args = typing.get_args(annotation)
         annotation = list[item_args[0]] if item_args else list[Any]  # type: ignore[valid-type]
     try:
-        adapter: TypeAdapter[Any] = TypeAdapter(annotation)
+        adapter = _output_adapter(annotation)
         return adapter, adapter.json_schema()
     except Exception as exc:  # pydantic raises several types for unsupported types
         raise PlanError(f"tool {name!r}: cannot build an output schema: {exc}") from exc
+
+
+#: pydantic writes a NaN or an infinity where the type is Any (a ``dict``'s
+#: values) as ``null`` by default; kept as it is, it fails the JSON check and
+#: the call answers ``result_invalid`` (docs/protocol.md), as it does unchecked.
+_OUTPUT_CONFIG: Final = ConfigDict(ser_json_inf_nan="constants")
+
+
+def _output_adapter(annotation: Any) -> TypeAdapter[Any]:
+    """The output schema's adapter. A model, dataclass or TypedDict has a
+    config of its own, which pydantic will not let this one replace."""
+    try:
+        return TypeAdapter(annotation, config=_OUTPUT_CONFIG)
+    except PydanticUserError:
+        return TypeAdapter(annotation)

@@ -161,6 +161,38 @@ async def test_an_invalid_result_is_committed_and_the_same_error_is_replayed(
     assert ledger.runs["bad_result"] == 1
 
 
+async def test_nan_or_infinity_in_a_typed_result_is_result_invalid_not_null(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    """pydantic writes NaN where the type is Any (a dict's values) as null:
+    the guest got 200 with ``{"v": null}``, a value the tool never returned."""
+
+    @tool(reversibility="reversible")
+    def nan_dict() -> dict[str, Any]:
+        ledger.record("nan_dict")
+        return {"v": float("nan")}
+
+    @tool(reversibility="reversible")
+    def inf_list() -> list[dict[str, Any]]:
+        return [{"v": float("inf")}]
+
+    @tool(reversibility="reversible")
+    def fine() -> dict[str, Any]:
+        return {"v": 1.5, "w": None}
+
+    plan = Plan([nan_dict, inf_list, fine], name="nan-test")
+    async with driven_guest(sup, plan) as guest:
+        nan = await guest.call("n1", "nan_dict", {})
+        again = await guest.call("n1", "nan_dict", {})
+        inf = await guest.call("i1", "inf_list", {})
+        ok = await guest.call("f1", "fine", {})
+    for reply in (nan, inf):
+        assert (reply["status"], reply["body"]["error"]["code"]) == (500, "result_invalid")
+    assert (again["status"], again["body"]["effect"]) == (500, "replayed")
+    assert ledger.runs["nan_dict"] == 1
+    assert ok["body"]["result"] == {"v": 1.5, "w": None}
+
+
 async def test_fifty_concurrent_requests_with_one_call_id_run_the_handler_once(
     sup: Supervisor, ledger: Ledger
 ) -> None:
