@@ -25,6 +25,7 @@ them every host path (the state dir's socket among them), is read from a pipe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -95,7 +96,7 @@ class SandboxLaunch:
     program: Path
     #: The options written into the ``--args`` pipe.
     options: tuple[str, ...]
-    #: What runs inside: ``[setpriv …] CMD ARG…``.
+    #: What runs inside: ``[setsid] [setpriv …] CMD ARG…``.
     command: tuple[str, ...]
     env: Mapping[str, str]
     #: The execution's ``"sandbox"`` object (docs/sandbox.md), ``limits`` added by the caller.
@@ -118,6 +119,10 @@ class SandboxHost:
     setpriv: Path | None
     #: Whether bubblewrap may mount an overlay here (the launch folder as workdir).
     overlay: bool
+    #: util-linux's setsid, which makes the guest lead its own session and
+    #: process group (SPEC §3) inside the sandbox, where bubblewrap's pid 1
+    #: leads them; None where it is not installed.
+    setsid: Path | None = None
 
     @classmethod
     def probe(cls, guest_uid: int | None = None) -> SandboxHost:
@@ -145,12 +150,16 @@ class SandboxHost:
         return [*options, "--die-with-parent", "--new-session"]
 
     def command_prefix(self) -> list[str]:
-        """What runs before the guest's own command inside the sandbox."""
+        """What runs before the guest's own command inside the sandbox: setsid
+        (the guest is not a process group leader there, so it does not fork),
+        then, as root, setpriv."""
+        prefix = [str(self.setsid)] if self.setsid is not None else []
         if not self.root:
-            return []
+            return prefix
         assert self.setpriv is not None
         uid, gid = self.account.uid, self.account.gid
         return [
+            *prefix,
             str(self.setpriv),
             f"--reuid={uid}",
             f"--regid={gid}",
@@ -378,7 +387,15 @@ def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
     else:
         setpriv = None
         account = Account(os.getuid(), os.getgid())
-    host = SandboxHost(Path(bwrap), root, account, Path(setpriv) if setpriv else None, True)
+    setsid = shutil.which("setsid")
+    host = SandboxHost(
+        Path(bwrap),
+        root,
+        account,
+        Path(setpriv) if setpriv else None,
+        True,
+        Path(setsid) if setsid else None,
+    )
     true = shutil.which("true") or "/bin/true"
     with tempfile.TemporaryDirectory(prefix="hostcall-probe-") as scratch:
         if root:
@@ -404,7 +421,7 @@ def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
                     f"no sandbox: cannot run {bwrap}: {exc}; {NO_SANDBOX_HINT}"
                 ) from None
             if done.returncode == 0:
-                return SandboxHost(host.bwrap, root, account, host.setpriv, overlay=with_overlay)
+                return dataclasses.replace(host, overlay=with_overlay)
             reason = done.stderr.decode(errors="replace").strip().splitlines()
     why = reason[-1] if reason else f"exit status {done.returncode}"
     hint = "" if root else " (unprivileged user namespaces are not allowed here?)"

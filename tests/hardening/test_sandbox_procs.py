@@ -293,6 +293,19 @@ def test_the_sandboxs_pid_1_survives_every_signal_its_guest_sends_it(account: Ac
         assert signals == [0] * 5, found
 
 
+def test_the_guest_leads_its_own_session_and_process_group_in_the_sandbox(
+    account: Account,
+) -> None:
+    """SPEC §3: the guest starts in its own process group (``start_new_session``).
+    Inside the sandbox bubblewrap's pid 1 led both, the guest (pid 2) in them;
+    util-linux's setsid now runs first. The exit status still comes through."""
+    code = "print(json.dumps([os.getpid(), os.getpgid(0), os.getsid(0)])); sys.exit(7)"
+    done, summary = run_guest(account, guest(code))
+    pid, group, session = json.loads(done.stdout)
+    assert group == session == pid != 1
+    assert (done.returncode, summary["executions"][0]["exit_code"]) == (7, 7)
+
+
 #: The victim: hands its whole identity, credential included, to the attacker
 #: (as a compromised guest or a leaked log might), then makes a call.
 S3_VICTIM = r"""
