@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from supervisor.admin_client import AdminClient, AdminError, SupervisorNotRunning
 from supervisor.cli.app import EXIT_FAILED, EXIT_USAGE, one_line, state_dir_of
-from supervisor.errors import HostcallError
+from supervisor.errors import HostcallError, StoreUnavailable
 from supervisor.ids import is_path_safe_id
 from supervisor.storespec import parse_store
 
@@ -397,7 +397,8 @@ def receipts(args: argparse.Namespace) -> int:
         path = state_dir_of(args) / "receipts" / f"{args.file}.jsonl"
         if not path.exists():
             raise _Unusable(
-                f"no receipt file {args.file} and no invocation {args.file} in {path.parent}"
+                f"no receipt file {args.file}, and no receipts of an invocation {args.file} "
+                f"in {path.parent} (none is written before its first call)"
             )
     if not path.exists():
         raise _Unusable(
@@ -406,9 +407,13 @@ def receipts(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise _Unusable(f"{args.file} is not a receipt file")
     try:
-        # StoreUnavailable (no effects.db in a named dir, an unreadable store) is
-        # a HostcallError: main() prints it and exits 2.
         effects = effects_for(path, Path(named) if named is not None else None)
+    except StoreUnavailable as exc:
+        # No effects.db in the named dir (a --store elsewhere), or one that
+        # cannot be read: the chain can still be checked, and is, alone.
+        print(f"hostcall receipts verify: {exc}; checking the chain alone", file=sys.stderr)
+        effects = None
+    try:
         audit = audit_receipts(path, effects=effects)
     except OSError as exc:
         print(f"hostcall receipts verify: cannot read {path}: {exc.strerror}", file=sys.stderr)

@@ -163,6 +163,26 @@ def test_state_dir_is_taken_after_a_command_group_too(tmp_path: Path, plan_file:
         assert verified.returncode == 0, verified.stderr
 
 
+def test_receipts_of_a_run_on_another_store_are_verified_by_their_chain(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    """With ``--store sqlite:///elsewhere`` the state dir has no effects.db to
+    check the receipts against: ``receipts verify --state-dir`` says so and
+    checks the chain alone (it used to refuse, exit 2)."""
+    state = tmp_path / "st"
+    store = f"sqlite:///{tmp_path / 'other.db'}"
+    calls = json.dumps([["c1", "echo", {"text": "x"}]])
+    done = run_guest(
+        state, plan_file, "calls", calls, extra=("--store", store, "--invocation", "inv_o")
+    )
+    assert done.returncode == 0, done.stderr
+    verified = hostcall("receipts", "verify", "inv_o", "--state-dir", str(state))
+    assert verified.returncode == 0, verified.stderr
+    assert "checking the chain alone" in verified.stderr
+    (state / "receipts" / "inv_o.jsonl").write_text("{}\n")  # and a broken chain still fails
+    assert hostcall("receipts", "verify", "inv_o", "--state-dir", str(state)).returncode == 1
+
+
 def test_a_state_dir_path_too_long_for_sun_path_still_works(
     tmp_path: Path, plan_file: Path
 ) -> None:

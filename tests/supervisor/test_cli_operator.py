@@ -219,7 +219,7 @@ def mistakes(tmp: Path, plan: Path) -> list[tuple[str, list[str], int, str]]:
             "receipts of an unknown invocation",
             ["receipts", "verify", "inv_none", *state],
             2,
-            "no invocation inv_none",
+            "no receipts of an invocation inv_none",
         ),
         ("no supervisor", ["approvals", "list", *state], 2, "no supervisor is running"),
         ("bad option", [*run, "--attempts", "zero", "--", "true"], 2, "--attempts"),
