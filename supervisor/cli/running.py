@@ -192,6 +192,7 @@ async def _run(
                 status=is_terminal(2),
             )
             watch.start()
+            not_started: tuple[int, str] | None = None
             try:
                 outcome = await sup.run(
                     plan,
@@ -202,14 +203,18 @@ async def _run(
                     on_start=announce,
                     wasm=args.wasm,
                 )
-            except FileNotFoundError as exc:
-                watch.say(f"hostcall run: cannot start {program!r}: {exc.strerror}")
-                return EXIT_NOT_FOUND
-            except PermissionError as exc:
-                watch.say(f"hostcall run: cannot start {program!r}: {exc.strerror}")
-                return EXIT_NOT_EXECUTABLE
+            except (FileNotFoundError, PermissionError) as exc:
+                missing = isinstance(exc, FileNotFoundError)
+                message = f"cannot start {program!r}: {exc.strerror}"
+                watch.say(f"hostcall run: {message}")
+                not_started = (EXIT_NOT_FOUND if missing else EXIT_NOT_EXECUTABLE, message)
             finally:
                 await watch.close()
+            if not_started is not None:
+                status, message = not_started
+                summary = {"invocation_id": invocation_id, "exit_status": status}
+                _emit_json(args, {**summary, "executions": [], "error": message})
+                return status
     except asyncio.CancelledError:
         # SIGINT or SIGTERM: the guest tree was stopped on the way out.
         print(
@@ -228,13 +233,20 @@ def _report(args: argparse.Namespace, outcome: RunOutcome) -> None:
     outcome as stderr's last line (docs/operations.md: the summary goes to stderr); with
     ``--json FILE`` (``-``: stdout) the lines stay and the JSON goes there,
     apart from any guest output."""
-    text = json.dumps(outcome.to_json())
     if args.json != "":
         for execution in outcome.executions:
             print(
                 f"hostcall: invocation {outcome.invocation_id} {execution.describe()}",
                 file=sys.stderr,
             )
+    _emit_json(args, outcome.to_json())
+
+
+def _emit_json(args: argparse.Namespace, summary: dict[str, Any]) -> None:
+    """``--json``'s object, where it asked for it (nothing without ``--json``).
+    A guest that could not start has no execution: ``executions`` is empty
+    and ``error`` says why."""
+    text = json.dumps(summary)
     if args.json is None:
         return
     if args.json == "":

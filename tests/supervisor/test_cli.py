@@ -220,9 +220,18 @@ def test_a_missing_command_exits_2_and_an_unknown_one_127(tmp_path: Path, plan_f
         "--",
         str(tmp_path / "no-such-program"),
     )
+    as_json = hostcall(
+        "run", "--state-dir", str(tmp_path / "st"), "--plan", str(plan_file), "--json",
+        "--", str(tmp_path / "no-such-program"),
+    )  # fmt: skip
     assert missing.returncode == 2
     assert unknown.returncode == 127
     assert "cannot start" in unknown.stderr
+    # --json still ends with its object, saying there was no execution.
+    summary = json.loads(as_json.stderr.strip().splitlines()[-1])
+    assert as_json.returncode == summary["exit_status"] == 127
+    assert summary["executions"] == []
+    assert "cannot start" in summary["error"]
 
 
 def test_an_invalid_plan_exits_2_naming_the_problem(tmp_path: Path) -> None:
