@@ -27,7 +27,12 @@ from channel.ids import is_path_safe_id
 from channel.peer import peer_credentials, still_alive
 from channel.wire import parse_strict_json
 from supervisor.activity import Activity, notice_json
-from supervisor.approvals import ApprovalController, ProposalNotFound, ProposalNotWaiting
+from supervisor.approvals import (
+    PROPOSAL_STATES,
+    ApprovalController,
+    ProposalNotFound,
+    ProposalNotWaiting,
+)
 from supervisor.errors import HostcallError, Refusal, WasmBusy, WasmError
 from supervisor.executions import Execution
 from supervisor.gc import collect
@@ -265,6 +270,8 @@ class AdminServer:
 
     async def _approvals(self, request: web.Request) -> web.Response:
         state = request.query.get("state")
+        if state is not None and state not in PROPOSAL_STATES:
+            raise Refusal("bad_request", f"state must be one of {', '.join(PROPOSAL_STATES)}")
         return web.json_response([p.to_json() for p in self._sup.approvals.list(state)])
 
     async def _approval(self, request: web.Request) -> web.Response:
@@ -355,7 +362,10 @@ class AdminServer:
         tool = request.match_info["tool"]
         if await self._sup.store.get_invocation(invocation_id) is None:
             return _error(404, "not_found", f"no invocation {invocation_id}")
-        await self._sup.revoke(invocation_id, tool)
+        try:
+            await self._sup.revoke(invocation_id, tool)
+        except KeyError:
+            return _error(404, "not_found", f"invocation {invocation_id}'s plan has no tool {tool}")
         return web.json_response({"invocation_id": invocation_id, "tool": tool, "revoked": True})
 
     async def _launch(self, request: web.Request) -> web.Response:

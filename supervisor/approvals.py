@@ -17,6 +17,7 @@ import asyncio
 import inspect
 import logging
 import time
+import typing
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
@@ -26,6 +27,7 @@ from supervisor.ids import new_id
 from supervisor.timestamps import utc_timestamp
 
 __all__ = [
+    "PROPOSAL_STATES",
     "TRANSITIONS",
     "ApprovalController",
     "ApprovalGate",
@@ -42,6 +44,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ProposalState = Literal["waiting", "approved", "rejected", "expired", "cancelled", "dispatched"]
+#: Every state, in its lifecycle's order (``?state=`` of the admin API).
+PROPOSAL_STATES: Final[tuple[ProposalState, ...]] = typing.get_args(ProposalState)
 Event = Literal["approve", "reject", "expire", "cancel", "dispatch"]
 
 #: docs/approvals.md: ``waiting → approved | rejected | expired | cancelled``;

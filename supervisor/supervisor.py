@@ -705,11 +705,30 @@ class Supervisor:
         """Refuse every later call and replay of ``tool`` in this invocation.
 
         Persisted in the effect store: it holds for later executions too.
+
+        Raises:
+            KeyError: the invocation's plan is known here and has no ``tool``
+                (a misspelt name would leave the real tool allowed).
         """
+        plan = await self._plan_of(invocation_id)
+        if plan is not None and tool not in plan.tools:
+            raise KeyError(tool)
         await self.store.revoke(invocation_id, tool, time.time())
         invocation = self._invocations.get(invocation_id)
         if invocation is not None:
             invocation.revoked.add(tool)
+
+    async def _plan_of(self, invocation_id: str) -> Plan | None:
+        """The invocation's plan, when this supervisor has it: a running
+        invocation's, or the served plan if the invocation was made with it."""
+        invocation = self._invocations.get(invocation_id)
+        if invocation is not None:
+            return invocation.plan
+        served = self.served_plan
+        record = await self.store.get_invocation(invocation_id)
+        if served is not None and record is not None and record.plan_hash == served.plan_hash:
+            return served
+        return None
 
     def cancel(self, execution_id: str) -> bool:
         """Cancel a live execution: its waiting proposals are cancelled, calls not yet

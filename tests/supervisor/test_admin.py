@@ -193,6 +193,9 @@ async def test_a_revoked_tool_stays_revoked_for_later_executions(
     plan = billing_plan(ledger)
     async with driven_guest(sup, plan, invocation_id="inv_r") as guest:
         ok = await guest.call("l1", "lookup", {"account": "a"})
+        # A misspelt tool must not look revoked: the real one would stay allowed.
+        with pytest.raises(AdminError) as misspelt:
+            await admin(sup, "POST", "/v1/invocations/inv_r/tools/lokup/revoke")
         await admin(sup, "POST", "/v1/invocations/inv_r/tools/lookup/revoke")
         replay = await guest.call("l1", "lookup", {"account": "a"})
     async with driven_guest(sup, plan, invocation_id="inv_r") as guest:
@@ -204,7 +207,16 @@ async def test_a_revoked_tool_stays_revoked_for_later_executions(
         assert reply["status"] == 403
         assert reply["body"]["error"]["code"] == "tool_not_allowed"
     assert unknown.value.status == 404
+    assert (misspelt.value.status, misspelt.value.code) == (404, "not_found")
+    assert "no tool lokup" in misspelt.value.message
     assert ledger.runs["lookup"] == 1
+
+
+async def test_approvals_of_an_unknown_state_is_a_bad_request(sup: Supervisor) -> None:
+    assert await admin(sup, "GET", "/v1/approvals?state=waiting") == []
+    with pytest.raises(AdminError) as bogus:
+        await admin(sup, "GET", "/v1/approvals?state=bogus")
+    assert (bogus.value.status, bogus.value.code) == (400, "bad_request")
 
 
 async def test_invocations_lists_budget_use_and_executions(sup: Supervisor, ledger: Ledger) -> None:
