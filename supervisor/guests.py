@@ -88,8 +88,10 @@ class RunningGuest:
 
     @property
     def peak_processes(self) -> int:
-        """Most processes (tasks, with a cgroup) the guest had at once, as sampled."""
-        return self.tree.peak_processes
+        """Most processes (tasks, with a cgroup) the guest had at once, as
+        sampled; at least its own, which a guest ended before the first
+        sample was not counted in."""
+        return max(1, self.tree.peak_processes)
 
     async def stop(self, grace_s: float) -> None:
         """End every process of the guest (TERM, ``grace_s``, KILL) and release

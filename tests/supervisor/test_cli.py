@@ -133,6 +133,13 @@ def test_the_json_summary_is_machine_readable(tmp_path: Path, plan_file: Path) -
     [execution] = summary["executions"]
     assert execution["reason"] == "exited"
     assert execution["calls"] == {"executed": 1, "replayed": 1}
+    assert execution["peak_processes"] >= 1
+    # The guest itself, however short: one that ended before the first sample said 0.
+    short = hostcall(
+        "run", "--state-dir", str(tmp_path / "st"), "--plan", str(plan_file), "--json",
+        "--", "true",
+    )  # fmt: skip
+    assert json.loads(short.stderr.strip().splitlines()[-1])["executions"][0]["peak_processes"] == 1
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert lines[1] == {"call_id": "c1", "result": "hi"}
     assert lines[2] == {"call_id": "c1", "result": "hi"}
