@@ -204,9 +204,12 @@ def _approver(state_dir: Path, auto_approve: bool) -> Callable[[Proposal], Await
 
 
 def _remove_bank(bank: Path) -> None:
-    """Delete the bank a previous demo run left in the state dir."""
+    """Delete the bank a previous demo run left in the state dir, and make it
+    anew, empty and 0600 like every file there (SQLite gives its journal the
+    same mode); the tools fill it."""
     for suffix in ("", "-wal", "-shm", "-journal"):
         Path(f"{bank}{suffix}").unlink(missing_ok=True)
+    os.close(os.open(bank, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 @contextlib.contextmanager

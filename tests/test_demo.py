@@ -157,6 +157,7 @@ def test_the_bank_holds_one_charge_per_charge_call_and_one_mail_though_calls_wer
     demo_run: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:
     bank = demo_run[1] / "bank.db"
+    assert bank.stat().st_mode & 0o777 == 0o600  # SPEC §13: the state dir's files are 0600
     _assert_each_effect_once(bank)
     # The approved refund gave acct_bob's charge back, once.
     assert _refunds(bank) == [REFUND]
