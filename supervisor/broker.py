@@ -255,9 +255,16 @@ class Broker:
         while (joined := self._admissions.get(call.call_id)) is not None:
             if (joined.tool, joined.key) != (call.tool.name, call.key):
                 raise reused_refusal()
+            joined_proposal = joined.awaiting_approval
             settled = await asyncio.shield(joined.settled)
             if settled is not None:
                 return _outcome_of(settled)
+            dispatched = self._dispatched.get(call.call_id)
+            if joined_proposal and dispatched is not None:
+                # It joined the proposal (SPEC §5.8) and shared its decision: it
+                # shares the call's outcome too (replayed from the record), rather
+                # than find the call in flight the moment it was approved.
+                await asyncio.shield(dispatched)
         admission = _Admission(call.tool.name, call.key, asyncio.get_running_loop().create_future())
         self._admissions[call.call_id] = admission
         try:
