@@ -25,8 +25,8 @@ __all__ = [
     "INVOCATION_HEADER",
     "PLAN_HEADER",
     "authenticate",
-    "carries_credential",
     "check_origin",
+    "spells_credential",
 ]
 
 EXECUTION_HEADER: Final = "Hostcall-Execution"
@@ -55,8 +55,12 @@ def _bearer_token(authorization: str | None) -> bytes | None:
         return None
 
 
-def authenticate(headers: Mapping[str, str], directory: ExecutionDirectory) -> ExecutionPort:
-    """Checks 1-4 of docs/protocol.md, "Every request carries four headers" on the request headers.
+def authenticate(
+    headers: Mapping[str, str], directory: ExecutionDirectory
+) -> tuple[ExecutionPort, bytes]:
+    """Checks 1-4 of docs/protocol.md, "Every request carries four headers" on
+    the request headers. Returns the execution and the credential presented
+    (the request's own, for :func:`carries_credential`).
 
     Raises:
         Refusal: ``unauthenticated``, ``plan_mismatch`` or ``execution_fenced``.
@@ -76,21 +80,16 @@ def authenticate(headers: Mapping[str, str], directory: ExecutionDirectory) -> E
         raise Refusal(
             "execution_fenced", "this execution has ended, was cancelled or was superseded"
         )
-    return execution
+    return execution, token
 
 
-def carries_credential(headers: Mapping[str, str], body: bytes, decoded: object) -> bool:
-    """Whether an identified request's body holds the credential it was made
-    with: verbatim, or spelled with JSON's ``\\u`` escapes (only then is
-    ``decoded``, the parsed body, looked at). Such a request is refused: the
-    credential would reach the tool, the records, the receipts, the logs and
-    the admin API (SPEC §3)."""
-    token = _bearer_token(headers.get("Authorization"))
-    if token is None:
-        return False
-    if token in body:
-        return True
-    return b"\\u" in body and token.decode() in json.dumps(decoded, ensure_ascii=False)
+def spells_credential(credential: bytes, body: bytes, decoded: object) -> bool:
+    """Whether a request ``body`` that does not hold its ``credential``
+    verbatim spells it with JSON's ``\\u`` escapes: only a body with an
+    escape is looked at decoded (``decoded``, the parsed body). The caller
+    checks ``credential in body`` first, on the hot path (SPEC §3: a call
+    carrying it is refused, or it would reach the records and the logs)."""
+    return b"\\u" in body and credential.decode() in json.dumps(decoded, ensure_ascii=False)
 
 
 def check_origin(peer: Peer, execution: ExecutionPort, transport: asyncio.BaseTransport) -> None:

@@ -30,7 +30,7 @@ from channel.connections import (
     default_max_connections,
 )
 from channel.errors import Refusal
-from channel.identity import authenticate, carries_credential, check_origin
+from channel.identity import authenticate, check_origin, spells_credential
 from channel.openapi import OPENAPI_PATH, document_bytes
 from channel.routing import ExecutionDirectory, ExecutionPort
 from channel.wire import CallReply, compact_json, is_valid_id, parse_call_request
@@ -230,14 +230,14 @@ class ChannelServer:
         wrong method or an ``Expect`` header (whose ``100 Continue`` would
         invite a body) is answered only to an identified guest.
         """
-        execution = await self._identify(request)
+        execution, credential = await self._identify(request)
         if request.headers.get("Expect") is not None:
             refused = await _expect(request)
             if refused is not None:
                 return refused
         path, method = request.rel_url.path_safe, request.method
         if path == "/v1/calls" and method == "POST":
-            return await self._post_call(request, execution)
+            return await self._post_call(request, execution, credential)
         if method in ("GET", "HEAD"):
             if path == "/v1/plan":
                 return await self._get_plan(execution)
@@ -250,8 +250,8 @@ class ChannelServer:
                 return await self._get_call(request, execution, _unquote_path_safe(call_id))
         return _no_such_route(request)
 
-    async def _identify(self, request: web.BaseRequest) -> ExecutionPort:
-        execution = authenticate(request.headers, self._directory)
+    async def _identify(self, request: web.BaseRequest) -> tuple[ExecutionPort, bytes]:
+        execution, credential = authenticate(request.headers, self._directory)
         if self._origin_check:
             if execution.guest_pid is None:
                 await execution.wait_launched(LAUNCH_WAIT_S)
@@ -263,7 +263,7 @@ class ChannelServer:
                 # is no one left to answer, and no peer to check.
                 raise Refusal("origin_denied", "the connection closed before it was checked")
             check_origin(connection.peer, execution, transport)
-        return execution
+        return execution, credential
 
     async def _read_body(self, request: web.BaseRequest) -> bytes:
         if request.content_type != "application/json":
@@ -298,11 +298,14 @@ class ChannelServer:
             raise Refusal("bad_request", f"the request body did not arrive whole: {exc}") from None
 
     async def _post_call(
-        self, request: web.BaseRequest, execution: ExecutionPort
+        self, request: web.BaseRequest, execution: ExecutionPort, credential: bytes
     ) -> web.StreamResponse:
         body = await self._read_body(request)
         call = parse_call_request(body)
-        if carries_credential(request.headers, body, [call.call_id, call.tool, call.args]):
+        if credential in body or (
+            b"\\u" in body
+            and spells_credential(credential, body, [call.call_id, call.tool, call.args])
+        ):
             raise Refusal("bad_request", "a call may not carry the guest's credential")
         reply = await execution.broker.call(call.call_id, call.tool, call.args)
         return _json_response(reply)
