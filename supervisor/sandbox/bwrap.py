@@ -274,14 +274,25 @@ class SandboxHost:
         )
 
     def _prepare_writable(self, path: Path) -> None:
-        if not os.path.lexists(path):
-            path.mkdir(parents=True, exist_ok=True)
-            if self.root:
-                os.chown(path, self.account.uid, self.account.gid)
+        """Make a missing writable folder (as root: the guest's), or check that
+        the guest's uid may write an existing one.
+
+        By the real path :func:`check_links` vetted, one folder at a time from
+        ``/`` and never through a symlink (``O_NOFOLLOW``): a guest still
+        running could otherwise swap a folder on the way for a link between
+        that check and this, and have, say, ``/var/log`` given to its uid.
+        """
+        real = Path(os.path.realpath(path))
+        owner = (self.account.uid, self.account.gid) if self.root else None
+        try:
+            st, made = _walk_folders(real, owner)
+        except OSError as exc:
+            raise SandboxError(
+                f"[sandbox] writable path {path} cannot be prepared: {exc.strerror} at "
+                f"{exc.filename or real} (a symlink that appeared on the way is refused)"
+            ) from None
+        if made or not self.root:
             return
-        if not self.root:
-            return
-        st = os.stat(path)
         if not self.account.may(st, 2) or not self.account.may(st, 1):
             raise SandboxError(
                 f"[sandbox] {path} is not writable by the guest's uid {self.account.uid} "
@@ -303,6 +314,40 @@ class SandboxHost:
             return False
         # An overlay shows only the folder's own file system: mounts below would vanish.
         return not any(cwd in point.parents for point in mount_points())
+
+
+def _walk_folders(real: Path, owner: tuple[int, int] | None) -> tuple[os.stat_result, bool]:
+    """Walk to the folder ``real`` (an absolute path without symlinks), making
+    what is missing of it: each step relative to the folder before, never
+    through a symlink (``O_NOFOLLOW``), by ``O_PATH`` (search permission is
+    enough). The last folder, if made here, is given to ``owner``. Returns
+    its status and whether it was made here.
+
+    Raises:
+        OSError: a step is a symlink (``ELOOP``) or not a folder, or cannot be made.
+    """
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open("/", flags)
+    made = False
+    try:
+        parts = real.parts[1:]
+        for i, name in enumerate(parts):
+            made = False
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o755, dir_fd=fd)
+                made = True
+            if made and owner is not None and i == len(parts) - 1:
+                os.chown(name, *owner, dir_fd=fd, follow_symlinks=False)
+            try:
+                inner = os.open(name, flags, dir_fd=fd)
+            except OSError as exc:
+                exc.filename = str(Path("/", *parts[: i + 1]))
+                raise
+            os.close(fd)
+            fd = inner
+        return os.fstat(fd), made
+    finally:
+        os.close(fd)
 
 
 def _warn_of_hidden_arguments(argv: Sequence[str], cwd: Path, layout: Layout) -> None:

@@ -233,3 +233,32 @@ def test_the_socket_is_bound_at_its_fixed_place_and_the_fresh_workdir_stays_writ
     ]
     # The work dir is a mount of its own: making its parent read-only leaves it writable.
     assert str(GUEST_WORKDIR) in [args[i + 1] for i, a in enumerate(args) if a == "--tmpfs"]
+
+
+def test_a_writable_folder_is_made_step_by_step_never_through_a_symlink(tmp_path: Path) -> None:
+    """The folder checked is the one made and given to the guest: a symlink
+    swapped in on the way after the check (by a guest still running) is
+    refused, and what it points at is neither made into nor given away."""
+    from supervisor.sandbox.bwrap import _walk_folders
+
+    owner = (os.getuid() + 1, os.getgid() + 1) if os.geteuid() == 0 else None
+    st, made = _walk_folders(tmp_path / "ws" / "a" / "log", owner)
+    assert made and (tmp_path / "ws" / "a" / "log").is_dir()
+    if owner is not None:
+        assert (st.st_uid, st.st_gid) == owner  # only the last folder is the guest's
+        assert (tmp_path / "ws" / "a").stat().st_uid == 0
+    st, made = _walk_folders(tmp_path / "ws" / "a" / "log", owner)
+    assert not made
+    # A guest swaps ws/a for a link to a folder of the host's.
+    host = tmp_path / "host"
+    (host / "log").mkdir(parents=True)
+    (tmp_path / "ws" / "a").rename(tmp_path / "ws" / "a-was")
+    (tmp_path / "ws" / "a").symlink_to(host)
+    swapped = "Not a directory|Too many levels of symbolic links"
+    with pytest.raises(OSError, match=swapped) as refused:
+        _walk_folders(tmp_path / "ws" / "a" / "log", owner)
+    assert refused.value.filename == str(tmp_path / "ws" / "a")
+    assert (host / "log").stat().st_uid == os.geteuid()
+    with pytest.raises(OSError, match=swapped):
+        _walk_folders(tmp_path / "ws" / "a" / "new", owner)
+    assert list(host.iterdir()) == [host / "log"]
