@@ -57,7 +57,7 @@ from supervisor.stores.base import (
     budget_left,
 )
 from supervisor.timeouts import Deadline
-from supervisor.tools import Tool
+from supervisor.tools import Tool, has_non_finite
 
 __all__ = ["Broker"]
 
@@ -255,12 +255,11 @@ class Broker:
         while (joined := self._admissions.get(call.call_id)) is not None:
             if (joined.tool, joined.key) != (call.tool.name, call.key):
                 raise reused_refusal()
-            joined_proposal = joined.awaiting_approval
             settled = await asyncio.shield(joined.settled)
             if settled is not None:
                 return _outcome_of(settled)
             dispatched = self._dispatched.get(call.call_id)
-            if joined_proposal and dispatched is not None:
+            if dispatched is not None and self.plan.needs_approval(call.tool):
                 # It joined the proposal (SPEC §5.8) and shared its decision: it
                 # shares the call's outcome too (replayed from the record), rather
                 # than find the call in flight the moment it was approved.
@@ -651,6 +650,9 @@ def _checked_result(tool: Tool, raw: Any) -> tuple[Any, str | None, str | None]:
     """The JSON result and the sha256 of its JCS (checking it is JSON makes
     that JCS once), or the reason it is invalid (docs/protocol.md ``result_invalid``)."""
     result = raw
+    if tool.output_nulls_non_finite and has_non_finite(raw):
+        # Its serializer would write them as null: a value the tool never returned.
+        return None, None, "the result is not JSON: it holds NaN or an infinity"
     if tool.output_adapter is not None:
         try:
             result = tool.output_adapter.dump_python(

@@ -10,8 +10,10 @@ irreversible (docs/operations.md, "Plans").
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import inspect
 import logging
+import math
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ __all__ = [
     "Reversibility",
     "Tool",
     "ToolOptions",
+    "has_non_finite",
     "strictest_reversibility",
     "tool",
 ]
@@ -197,6 +200,10 @@ class Tool:
     target_args: tuple[str, ...]
     max_calls: int | None
     ambiguous_errors: tuple[type[BaseException], ...] = DEFAULT_AMBIGUOUS_ERRORS
+    #: The output adapter would write a NaN or an infinity as ``null`` (a
+    #: model, dataclass or TypedDict keeps its own config): the broker looks
+    #: for them in the result first.
+    output_nulls_non_finite: bool = False
     input_schema: dict[str, Any] = field(default_factory=dict)
     output_schema: dict[str, Any] | None = None
     #: ``input_model``'s field names, read once: pydantic's ``model_fields``
@@ -240,7 +247,7 @@ class Tool:
         path = handler_path or f"{handler.__module__}:{handler.__qualname__}"
         doc = inspect.getdoc(handler) or ""
         input_model, model_argument = _input_model(name, handler, pick("input_model", None))
-        output_adapter, output_schema = _output(name, handler)
+        output_adapter, output_schema, nulls_non_finite = _output(name, handler)
         approval = pick("approval", "never")
         if approval not in ("never", "always"):
             raise PlanError(f"tool {name!r}: approval must be 'never' or 'always'")
@@ -272,6 +279,7 @@ class Tool:
             input_model=input_model,
             model_argument=model_argument,
             output_adapter=output_adapter,
+            output_nulls_non_finite=nulls_non_finite,
             reversibility=reversibility,
             approval=approval,
             cost=cost,
@@ -402,25 +410,30 @@ def _input_model(
 
 def _output(
     name: str, handler: Callable[..., Any]
-) -> tuple[TypeAdapter[Any] | None, dict[str, Any] | None]:
+) -> tuple[TypeAdapter[Any] | None, dict[str, Any] | None, bool]:
+    """The output adapter, its JSON Schema, and whether it would write a NaN
+    or an infinity as ``null`` (see :attr:`Tool.output_nulls_non_finite`)."""
     try:
         hints = typing.get_type_hints(handler)
     except Exception as exc:  # NameError and friends from user annotations
         raise PlanError(f"tool {name!r}: cannot read the return annotation: {exc}") from exc
     if "return" not in hints or hints["return"] is Any:
-        return None, None
+        return None, None, False
     annotation = hints["return"]
     if typing.get_origin(annotation) is collections.abc.Awaitable or (
         inspect.isclass(annotation) and issubclass(annotation, collections.abc.Awaitable)
     ):
-        return None, None
+        return None, None, False
     if _is_lazy(annotation):
         # A lazy result is consumed inside the dispatch: the guest sees a list.
         item_args = typing.get_args(annotation)
         annotation = list[item_args[0]] if item_args else list[Any]  # type: ignore[valid-type]
     try:
-        adapter = _output_adapter(annotation)
-        return adapter, adapter.json_schema()
+        adapter, configured = _output_adapter(annotation)
+        schema = adapter.json_schema()
+        # A model, dataclass or TypedDict, also one inside the type ($defs),
+        # serializes by its own config, which our adapter's does not replace.
+        return adapter, schema, not configured or "$defs" in schema
     except Exception as exc:  # pydantic raises several types for unsupported types
         raise PlanError(f"tool {name!r}: cannot build an output schema: {exc}") from exc
 
@@ -431,10 +444,38 @@ def _output(
 _OUTPUT_CONFIG: Final = ConfigDict(ser_json_inf_nan="constants")
 
 
-def _output_adapter(annotation: Any) -> TypeAdapter[Any]:
-    """The output schema's adapter. A model, dataclass or TypedDict has a
-    config of its own, which pydantic will not let this one replace."""
+def _output_adapter(annotation: Any) -> tuple[TypeAdapter[Any], bool]:
+    """The output schema's adapter, and whether it has :data:`_OUTPUT_CONFIG`.
+    A model, dataclass or TypedDict has a config of its own, which pydantic
+    will not let this one replace."""
     try:
-        return TypeAdapter(annotation, config=_OUTPUT_CONFIG)
+        return TypeAdapter(annotation, config=_OUTPUT_CONFIG), True
     except PydanticUserError:
-        return TypeAdapter(annotation)
+        return TypeAdapter(annotation), False
+
+
+def has_non_finite(value: Any) -> bool:
+    """Whether a NaN or an infinity is anywhere in ``value``: in containers,
+    pydantic models and dataclasses, each looked into once."""
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return True
+            continue
+        if isinstance(item, dict):
+            inner: Iterable[Any] = item.values()
+        elif isinstance(item, list | tuple | set | frozenset):
+            inner = item
+        elif isinstance(item, BaseModel):
+            inner = [*item.__dict__.values(), *(item.__pydantic_extra__ or {}).values()]
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            inner = [getattr(item, f.name) for f in dataclasses.fields(item)]
+        else:
+            continue
+        if id(item) not in seen:
+            seen.add(id(item))
+            todo.extend(inner)
+    return False

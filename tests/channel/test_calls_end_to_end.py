@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from supervisor import Plan, Supervisor, tool
 from supervisor.canonical import MAX_NESTING
@@ -161,6 +162,12 @@ async def test_an_invalid_result_is_committed_and_the_same_error_is_replayed(
     assert ledger.runs["bad_result"] == 1
 
 
+class _Loose(BaseModel):
+    """A result model with an untyped field (pydantic writes its NaN as null)."""
+
+    d: dict[str, Any]
+
+
 async def test_nan_or_infinity_in_a_typed_result_is_result_invalid_not_null(
     sup: Supervisor, ledger: Ledger
 ) -> None:
@@ -177,16 +184,26 @@ async def test_nan_or_infinity_in_a_typed_result_is_result_invalid_not_null(
         return [{"v": float("inf")}]
 
     @tool(reversibility="reversible")
+    def nan_model() -> _Loose:  # a model keeps its own config: NaN looked for first
+        return _Loose(d={"v": float("nan")})
+
+    @tool(reversibility="reversible")
+    def nan_models() -> list[_Loose]:
+        return [_Loose(d={"v": float("-inf")})]
+
+    @tool(reversibility="reversible")
     def fine() -> dict[str, Any]:
         return {"v": 1.5, "w": None}
 
-    plan = Plan([nan_dict, inf_list, fine], name="nan-test")
+    plan = Plan([nan_dict, inf_list, nan_model, nan_models, fine], name="nan-test")
     async with driven_guest(sup, plan) as guest:
         nan = await guest.call("n1", "nan_dict", {})
         again = await guest.call("n1", "nan_dict", {})
         inf = await guest.call("i1", "inf_list", {})
+        model = await guest.call("m1", "nan_model", {})
+        models = await guest.call("m2", "nan_models", {})
         ok = await guest.call("f1", "fine", {})
-    for reply in (nan, inf):
+    for reply in (nan, inf, model, models):
         assert (reply["status"], reply["body"]["error"]["code"]) == (500, "result_invalid")
     assert (again["status"], again["body"]["effect"]) == (500, "replayed")
     assert ledger.runs["nan_dict"] == 1

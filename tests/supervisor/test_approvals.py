@@ -306,6 +306,32 @@ async def test_two_retries_of_one_call_wait_on_one_proposal_and_run_once(rig: Ri
     assert rig.ledger.runs["pay"] == 1
 
 
+async def test_a_retry_that_joins_before_the_proposal_opens_gets_the_outcome_too(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both requests start together: the second joins while the first is still
+    in its replay check (a store read that yields, as SQLite's does), before
+    any proposal exists."""
+    read = rig.store.get
+
+    async def yielding_get(invocation_id: str, call_id: str) -> Any:
+        await asyncio.sleep(0)  # let the retry in: the read of a real store yields
+        return await read(invocation_id, call_id)
+
+    monkeypatch.setattr(rig.store, "get", yielding_get)
+    first = rig.call("c1", "pay", {"account": "a", "cents": 5})
+    second = rig.call("c1", "pay", {"account": "a", "cents": 5})
+    proposal_id = await rig.proposal()
+    rig.approvals.approve(proposal_id)
+    await wait_until(rig.ledger.started.is_set, "the approved call running")
+    for _ in range(50):  # every step the retry could take now (no timer: only turns)
+        await asyncio.sleep(0)
+    rig.ledger.release.set()
+    replies = [await reply_of(t) for t in (first, second)]
+    assert [(r.status, r.effect) for r in replies] == [("ok", "executed"), ("ok", "replayed")]
+    assert rig.ledger.runs["pay"] == 1
+
+
 async def test_a_joined_retry_gets_the_rejection_too(rig: Rig) -> None:
     first = rig.call("c1", "pay", {"account": "a", "cents": 5})
     proposal_id = await rig.proposal()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import re
@@ -19,7 +20,7 @@ from pydantic import BaseModel
 from supervisor import Plan, tool
 from supervisor.canonical import idempotency_key
 from supervisor.errors import PlanError, Refusal
-from supervisor.tools import Tool, ToolOptions, strictest_reversibility
+from supervisor.tools import Tool, ToolOptions, has_non_finite, strictest_reversibility
 
 # -- handlers (module level: their string annotations resolve in this module) ----
 
@@ -715,3 +716,24 @@ def test_a_tool_name_of_256_characters_is_a_name() -> None:
 
     plan = Plan([tool(reversibility="reversible", name="t" * 256)(handler)])
     assert list(plan.tools) == ["t" * 256]
+
+
+def test_non_finite_floats_are_found_anywhere_and_a_cycle_ends_the_search() -> None:
+    @dataclasses.dataclass
+    class Point:
+        x: float
+
+    class Box(BaseModel):
+        items: list[Any]
+
+    cyclic: list[Any] = [1.0]
+    cyclic.extend([cyclic, cyclic])  # branching: walked once per container
+    assert not has_non_finite(cyclic)
+    assert not has_non_finite({"a": [1, 2.5, "nan", None], "b": Box(items=[Point(0.0)])})
+    for hidden in (
+        float("nan"),
+        {"k": (1, {float("inf")})},
+        Box(items=[{"x": [Point(float("-inf"))]}]),
+        [cyclic, float("nan")],
+    ):
+        assert has_non_finite(hidden), hidden
