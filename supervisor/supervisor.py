@@ -364,11 +364,7 @@ class Supervisor:
             raise ValueError("invocation ids are 1-128 characters of [A-Za-z0-9._:-], not . or ..")
         module = Path(wasm) if wasm is not None else None
         if module is not None:
-            if len(self._asleep) >= MAX_ASLEEP_WASM:
-                raise WasmBusy(
-                    f"{len(self._asleep)} WebAssembly guests stopped while asleep in WASI "
-                    "still hold their threads and memory: no new one until one wakes"
-                )
+            self._check_wasm_room()
             await self._wasm_modules(module)  # refuses a bad module before any invocation exists
         await self._open_invocation(plan, invocation_id)  # refuses a mismatched plan first
         launch = _Launch(
@@ -562,6 +558,7 @@ class Supervisor:
         execution, its calls through the same broker (docs/wasm.md)."""
         from supervisor.wasm import WasmGuest, WasmOutcome
 
+        self._check_wasm_room()  # again for each attempt: others may have fallen asleep since
         compiled = await self._wasm_modules(module_path)
         _, digest = mint_credential()  # nobody holds it: no socket call can be this execution
         execution = self._new_execution(plan, invocation_id, invocation, digest, launch)
@@ -636,6 +633,16 @@ class Supervisor:
         )
         self._retire(execution, outcome)
         return outcome
+
+    def _check_wasm_room(self) -> None:
+        """Refuse a new WebAssembly guest while :data:`MAX_ASLEEP_WASM` that
+        did not stop still hold their threads and memory. (Guests already
+        running when the count is reached may add to it.)"""
+        if len(self._asleep) >= MAX_ASLEEP_WASM:
+            raise WasmBusy(
+                f"{len(self._asleep)} WebAssembly guests stopped while asleep in WASI "
+                "still hold their threads and memory: no new one until one wakes"
+            )
 
     async def _wasm_modules(self, path: Path) -> Compiled:
         """A fresh engine and ``path``'s compiled code (compiled once per content,
