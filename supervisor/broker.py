@@ -462,15 +462,7 @@ class Broker:
         except (Exception, SystemExit, KeyboardInterrupt) as exc:  # boundary: any other error
             # leaves no effect; SystemExit and KeyboardInterrupt too (argparse on
             # bad input, sys.exit): a handler must not stop the supervisor.
-            logger.warning(
-                "call %s: %s raised %s: %s",
-                call.call_id,
-                tool.name,
-                type(exc).__name__,
-                exc,
-                exc_info=exc,
-                extra=self.log_context,
-            )
+            self._log_raised("call %s: %s raised %s: %s", call, exc)
             await self._settle(self.store.release(self.invocation_id, call.call_id))
             reply = CallReply(
                 "error",
@@ -482,15 +474,7 @@ class Broker:
             )
             return _Outcome(reply, ReceiptOutcome.FAILED, approval_id=approval_id)
         if in_doubt is not None:
-            logger.warning(
-                "call %s: %s: outcome unknown (%s: %s)",
-                call.call_id,
-                tool.name,
-                type(in_doubt).__name__,
-                in_doubt,
-                exc_info=in_doubt,
-                extra=self.log_context,
-            )
+            self._log_raised("call %s: %s: outcome unknown (%s: %s)", call, in_doubt)
             await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
             reply = CallReply.ambiguous(call.call_id, tool.name, "unknown", call.key)
             return _Outcome(reply, ReceiptOutcome.UNKNOWN, approval_id=approval_id)
@@ -555,6 +539,19 @@ class Broker:
         crash_point("before_reply")
         outcome.receipt_id = receipt["receipt_id"]
         return outcome
+
+    def _log_raised(self, message: str, call: _Call, exc: BaseException) -> None:
+        """What a handler raised, with its traceback, in this execution's host
+        log: ``message`` takes the call id, the tool, the type and the text."""
+        logger.warning(
+            message,
+            call.call_id,
+            call.tool.name,
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+            extra=self.log_context,
+        )
 
     async def _invoke(self, tool: Tool, model: BaseModel) -> Any:
         args, kwargs = tool.bind(model)
