@@ -284,6 +284,23 @@ class GuestLauncher:
                 logger.warning("the sandbox of %s did not start (%s); again", execution_id, exc)
         raise AssertionError("unreachable")
 
+    def _cgroup_for(self, execution_id: str, limits: Limits) -> ExecutionCgroup | None:
+        """The execution's cgroup, or None where there is none (its limits sampled)."""
+        if self.cgroups is None:
+            return None
+        try:
+            return self.cgroups.create(
+                execution_id,
+                memory_bytes=limits.memory_bytes,
+                # bubblewrap's pid 1 counts too. Without a limit of its own a
+                # guest still may not take the machine's every pid.
+                max_tasks=(limits.max_processes + 1 if limits.max_processes else DEFAULT_MAX_TASKS),
+            )
+        except OSError as exc:
+            # Detected at start-up but refused now: sample this one, and say so.
+            logger.warning("no cgroup for %s (%s): its limits are sampled", execution_id, exc)
+            return None
+
     async def _start_sandboxed(
         self,
         execution_id: str,
@@ -295,21 +312,11 @@ class GuestLauncher:
         stdout: int | IO[Any] | None,
         stderr: int | IO[Any] | None,
     ) -> RunningGuest:
-        cgroup = None
-        if self.cgroups is not None:
-            try:
-                cgroup = self.cgroups.create(
-                    execution_id,
-                    memory_bytes=limits.memory_bytes,
-                    # bubblewrap's pid 1 counts too. Without a limit of its own a
-                    # guest still may not take the machine's every pid.
-                    max_tasks=(
-                        limits.max_processes + 1 if limits.max_processes else DEFAULT_MAX_TASKS
-                    ),
-                )
-            except OSError as exc:
-                # Detected at start-up but refused now: sample this one, and say so.
-                logger.warning("no cgroup for %s (%s): its limits are sampled", execution_id, exc)
+        try:
+            cgroup = self._cgroup_for(execution_id, limits)
+        except BaseException:
+            launch.close_fds()  # launch_sandboxed never took them
+            raise
         try:
             process, sandboxed = await launch_sandboxed(
                 launch,

@@ -106,6 +106,15 @@ class SandboxLaunch:
     masked: tuple[Path, ...] = ()
     #: The seccomp filter (``sock_filter`` bytes) for ``--seccomp``, if any.
     seccomp: bytes | None = None
+    #: Descriptors the options name (``--bind-fd``): bubblewrap inherits them,
+    #: and whoever starts it closes them, started or not (:meth:`close_fds`).
+    pass_fds: tuple[int, ...] = ()
+
+    def close_fds(self) -> None:
+        """Close :attr:`pass_fds` (once: the caller that owns them)."""
+        for fd in self.pass_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -209,8 +218,34 @@ class SandboxHost:
         """
         check_writable(policy, trusted, state_dir)
         check_links(policy, self.account.uid if self.root else None)
-        for path in policy.writable:
-            self._prepare_writable(path)
+        # Each writable folder is mounted from the descriptor its walk opened,
+        # not by name: a folder swapped on the way since cannot redirect it.
+        held: dict[Path, int] = {}
+        try:
+            for path in policy.writable:
+                if path not in held:
+                    held[path] = self._prepare_writable(path)
+            return self._build(
+                policy, argv, env, cwd, state_dir, socket, hidden, tmpfs_size, overlay, held
+            )
+        except BaseException:
+            for fd in held.values():
+                os.close(fd)
+            raise
+
+    def _build(
+        self,
+        policy: SandboxPolicy,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path,
+        state_dir: Path,
+        socket: Path,
+        hidden: Sequence[Path],
+        tmpfs_size: int | None,
+        overlay: bool,
+        held: Mapping[Path, int],
+    ) -> SandboxLaunch:
         for path in policy.read_only:
             if not os.path.lexists(path):
                 raise SandboxError(f"[sandbox] read_only path {path} does not exist")
@@ -230,7 +265,7 @@ class SandboxHost:
         # The working directory before the plan's paths: an overlay of the launch
         # folder would otherwise cover a read_write folder inside it.
         if policy.workdir is not None:
-            layout.bind(policy.workdir, writable=True)
+            layout.bind(policy.workdir, writable=True, fd=held[policy.workdir])
             inside_cwd = policy.workdir
             workdir = str(policy.workdir)
         elif overlay and self.overlay and self._can_overlay(layout, cwd, [*state_dirs, *hide]):
@@ -244,7 +279,7 @@ class SandboxHost:
         for path in policy.read_only:
             layout.bind(path, writable=False)
         for path in policy.read_write:
-            layout.bind(path, writable=True)
+            layout.bind(path, writable=True, fd=held[path])
         inside_socket = layout.socket(socket)
         sockets = _socket_masks(
             bound_unix_sockets(),
@@ -271,11 +306,13 @@ class SandboxHost:
             exposed=tuple(layout.exposed),
             masked=tuple(layout.masked),
             seccomp=seccomp,
+            pass_fds=tuple(held.values()),
         )
 
-    def _prepare_writable(self, path: Path) -> None:
+    def _prepare_writable(self, path: Path) -> int:
         """Make a missing writable folder (as root: the guest's), or check that
-        the guest's uid may write an existing one.
+        the guest's uid may write an existing one; returns an ``O_PATH``
+        descriptor of it, which the sandbox mounts.
 
         By the real path :func:`check_links` vetted, one folder at a time from
         ``/`` and never through a symlink (``O_NOFOLLOW``): a guest still
@@ -285,20 +322,20 @@ class SandboxHost:
         real = Path(os.path.realpath(path))
         owner = (self.account.uid, self.account.gid) if self.root else None
         try:
-            st, made = _walk_folders(real, owner)
+            fd, st, made = _walk_folders(real, owner)
         except OSError as exc:
             raise SandboxError(
                 f"[sandbox] writable path {path} cannot be prepared: {exc.strerror} at "
                 f"{exc.filename or real} (a symlink that appeared on the way is refused)"
             ) from None
-        if made or not self.root:
-            return
-        if not self.account.may(st, 2) or not self.account.may(st, 1):
-            raise SandboxError(
-                f"[sandbox] {path} is not writable by the guest's uid {self.account.uid} "
-                "(the supervisor runs as root, its guests never do): "
-                f"chown {self.account.uid} {path}, or name another folder"
-            )
+        if made or not self.root or (self.account.may(st, 2) and self.account.may(st, 1)):
+            return fd
+        os.close(fd)
+        raise SandboxError(
+            f"[sandbox] {path} is not writable by the guest's uid {self.account.uid} "
+            "(the supervisor runs as root, its guests never do): "
+            f"chown {self.account.uid} {path}, or name another folder"
+        )
 
     def _can_overlay(self, layout: Layout, cwd: Path, secret: Sequence[Path]) -> bool:
         """Whether the launch folder can be the working directory (an overlay of it)."""
@@ -316,12 +353,13 @@ class SandboxHost:
         return not any(cwd in point.parents for point in mount_points())
 
 
-def _walk_folders(real: Path, owner: tuple[int, int] | None) -> tuple[os.stat_result, bool]:
+def _walk_folders(real: Path, owner: tuple[int, int] | None) -> tuple[int, os.stat_result, bool]:
     """Walk to the folder ``real`` (an absolute path without symlinks), making
     what is missing of it: each step relative to the folder before, never
     through a symlink (``O_NOFOLLOW``), by ``O_PATH`` (search permission is
     enough). The last folder, if made here, is given to ``owner``. Returns
-    its status and whether it was made here.
+    its ``O_PATH`` descriptor (the caller closes it), its status and
+    whether it was made here.
 
     Raises:
         OSError: a step is a symlink (``ELOOP``) or not a folder, or cannot be made.
@@ -345,9 +383,10 @@ def _walk_folders(real: Path, owner: tuple[int, int] | None) -> tuple[os.stat_re
                 raise
             os.close(fd)
             fd = inner
-        return os.fstat(fd), made
-    finally:
+        return fd, os.fstat(fd), made
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def _warn_of_hidden_arguments(argv: Sequence[str], cwd: Path, layout: Layout) -> None:

@@ -170,8 +170,9 @@ class Layout:
             elif not (self.shows(path) and self.reachable(path)):
                 self.bind(path, writable=False)
 
-    def bind(self, path: Path, *, writable: bool) -> None:
-        """Bind a host path at its own place.
+    def bind(self, path: Path, *, writable: bool, fd: int | None = None) -> None:
+        """Bind a host path at its own place (from ``fd``, a descriptor of it,
+        when given: then no folder swapped on the way since can redirect it).
 
         Mounted where it really is (bubblewrap would resolve a symlink in the
         source but mount at the link's own place, where masks computed for the
@@ -180,7 +181,10 @@ class Layout:
         """
         real = Path(os.path.realpath(path))
         self._parents(real)
-        self.args += ["--bind" if writable else "--ro-bind", str(real), str(real)]
+        if fd is not None:
+            self.args += ["--bind-fd" if writable else "--ro-bind-fd", str(fd), str(real)]
+        else:
+            self.args += ["--bind" if writable else "--ro-bind", str(real), str(real)]
         self._mounts.append(_Mount(real, "host"))
         self.exposed.append(real)
         if real != path:

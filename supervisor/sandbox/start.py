@@ -140,23 +140,29 @@ async def launch_sandboxed(
         SandboxError: bubblewrap ended before it reported the sandbox, or
             ``join`` failed (the sandbox is then killed).
     """
-    env = dict(launch.env)
-    # The credential is written only once the sandbox is in its cgroup: should
-    # the supervisor die before, a guest that runs anyway reads nothing.
-    cred_r: int | None = None
-    cred_w: int | None = None
-    if transport == "fd":
-        cred_r, cred_w = os.pipe()
-        env["HOSTCALL_CREDENTIAL_FD"] = str(cred_r)
-    else:
-        credential_fd(env, credential, transport)
-    # The options in a memory file, not a pipe: they may be larger than a pipe
-    # holds (a mask per Unix socket on the host), and nobody reads them yet.
-    args_r = os.memfd_create("hostcall-bwrap-args", os.MFD_CLOEXEC)
-    info_r, info_w = os.pipe()
-    block_r, block_w = os.pipe()
-    ours = [info_r, block_w, *([] if cred_w is None else [cred_w])]
-    theirs = [args_r, info_w, block_r, *([] if cred_r is None else [cred_r])]
+    try:
+        env = dict(launch.env)
+        # The credential is written only once the sandbox is in its cgroup: should
+        # the supervisor die before, a guest that runs anyway reads nothing.
+        cred_r: int | None = None
+        cred_w: int | None = None
+        if transport == "fd":
+            cred_r, cred_w = os.pipe()
+            env["HOSTCALL_CREDENTIAL_FD"] = str(cred_r)
+        else:
+            credential_fd(env, credential, transport)
+        # The options in a memory file, not a pipe: they may be larger than a pipe
+        # holds (a mask per Unix socket on the host), and nobody reads them yet.
+        args_r = os.memfd_create("hostcall-bwrap-args", os.MFD_CLOEXEC)
+        info_r, info_w = os.pipe()
+        block_r, block_w = os.pipe()
+        ours = [info_r, block_w, *([] if cred_w is None else [cred_w])]
+        # The launch's own descriptors (--bind-fd) are theirs too: closed here
+        # once bubblewrap has them, or failed to start.
+        theirs = [args_r, info_w, block_r, *([] if cred_r is None else [cred_r]), *launch.pass_fds]
+    except BaseException:
+        launch.close_fds()  # not yet among theirs
+        raise
     try:
         options = [*launch.options, "--info-fd", str(info_w), "--block-fd", str(block_r)]
         if launch.seccomp is not None:

@@ -8,9 +8,11 @@ tests/hardening/test_sandbox.py.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import site
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -29,6 +31,7 @@ from supervisor.sandbox.policy import (
     check_writable,
     trusted_paths,
 )
+from tests.harness import STEP_TIMEOUT_S
 
 NOBODY = Account(65534, 65534)
 
@@ -236,18 +239,24 @@ def test_the_socket_is_bound_at_its_fixed_place_and_the_fresh_workdir_stays_writ
 
 
 def test_a_writable_folder_is_made_step_by_step_never_through_a_symlink(tmp_path: Path) -> None:
-    """The folder checked is the one made and given to the guest: a symlink
-    swapped in on the way after the check (by a guest still running) is
-    refused, and what it points at is neither made into nor given away."""
+    """The folder checked is the one made, given to the guest and mounted (from
+    the descriptor the walk opened): a symlink swapped in on the way after the
+    check (by a guest still running) is refused, and what it points at is
+    neither made into nor given away."""
     from supervisor.sandbox.bwrap import _walk_folders
 
     owner = (os.getuid() + 1, os.getgid() + 1) if os.geteuid() == 0 else None
-    st, made = _walk_folders(tmp_path / "ws" / "a" / "log", owner)
-    assert made and (tmp_path / "ws" / "a" / "log").is_dir()
+    fd, st, made = _walk_folders(tmp_path / "ws" / "a" / "log", owner)
+    try:
+        assert made and (tmp_path / "ws" / "a" / "log").is_dir()
+        assert os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "ws" / "a" / "log")
+    finally:
+        os.close(fd)
     if owner is not None:
         assert (st.st_uid, st.st_gid) == owner  # only the last folder is the guest's
         assert (tmp_path / "ws" / "a").stat().st_uid == 0
-    st, made = _walk_folders(tmp_path / "ws" / "a" / "log", owner)
+    fd, st, made = _walk_folders(tmp_path / "ws" / "a" / "log", owner)
+    os.close(fd)
     assert not made
     # A guest swaps ws/a for a link to a folder of the host's.
     host = tmp_path / "host"
@@ -262,3 +271,47 @@ def test_a_writable_folder_is_made_step_by_step_never_through_a_symlink(tmp_path
     with pytest.raises(OSError, match=swapped):
         _walk_folders(tmp_path / "ws" / "a" / "new", owner)
     assert list(host.iterdir()) == [host / "log"]
+
+
+async def test_a_folder_swapped_after_the_checks_does_not_redirect_the_mount(
+    tmp_path: Path,
+) -> None:
+    """A guest still running swaps ``ws/a`` for a link to another folder just
+    after a launch's checks (here: between building the sandbox and starting
+    it). bubblewrap mounted by name, so the new guest's writes went to that
+    folder; it now mounts the descriptor the checks' walk opened."""
+    from supervisor.process import wait_exited
+    from supervisor.sandbox.bwrap import SandboxHost
+    from supervisor.sandbox.start import launch_sandboxed
+
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="hostcall-swap-"))
+    try:
+        base.chmod(0o755)
+        ws, decoy = base / "ws", base / "decoy"
+        ws.mkdir()
+        (decoy / "out").mkdir(parents=True)
+        (decoy / "out").chmod(0o777)
+        if os.geteuid() == 0:
+            os.chown(ws, NOBODY.uid, NOBODY.gid)  # the guests' own folder
+        listening = socket.socket(socket.AF_UNIX)
+        listening.bind(str(tmp_path / "channel.sock"))
+        out = ws / "a" / "out"
+        launch = SandboxHost.probe().build(
+            SandboxPolicy(read_write=(out,)),
+            argv=["/bin/sh", "-c", f"echo planted > {out}/file"],
+            env={"PATH": "/usr/bin:/bin"},
+            cwd=Path("/"),
+            state_dir=tmp_path,
+            socket=tmp_path / "channel.sock",
+        )
+        (ws / "a").rename(ws / "a-was")
+        (ws / "a").symlink_to(decoy)
+        process, sandboxed = await launch_sandboxed(launch, credential="x" * 43)
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            assert await wait_exited(process) == 0
+        sandboxed.close()
+        listening.close()
+        assert (ws / "a-was" / "out" / "file").read_text() == "planted\n"
+        assert not (decoy / "out" / "file").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
