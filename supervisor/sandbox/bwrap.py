@@ -225,89 +225,72 @@ class SandboxHost:
             for path in policy.writable:
                 if path not in held:
                     held[path] = self._prepare_writable(path)
-            return self._build(
-                policy, argv, env, cwd, state_dir, socket, hidden, tmpfs_size, overlay, held
+            for path in policy.read_only:
+                if not os.path.lexists(path):
+                    raise SandboxError(f"[sandbox] read_only path {path} does not exist")
+            layout = Layout(self.account, builder_is_root=self.root, tmpfs_size=tmpfs_size)
+            layout.base()
+            needed = command_paths(argv, env, cwd)
+            if policy.workdir is None and layout.shows(cwd):
+                # The launch folder, not under /tmp: the working directory is an
+                # overlay of it, reachable even where root's folders close the way.
+                needed.append(cwd)
+            if policy.network == "host":
+                # /etc/resolv.conf is often a link into /run, which the guest gets fresh.
+                needed.append(Path(os.path.realpath("/etc/resolv.conf")))
+            layout.expose(needed)
+            state_dirs = {state_dir, Path(os.path.realpath(state_dir))}
+            hide = {*policy.hide, *(Path(os.path.realpath(p)) for p in policy.hide)}
+            # The working directory before the plan's paths: an overlay of the launch
+            # folder would otherwise cover a read_write folder inside it.
+            if policy.workdir is not None:
+                layout.bind(policy.workdir, writable=True, fd=held[policy.workdir])
+                inside_cwd = policy.workdir
+                workdir = str(policy.workdir)
+            elif overlay and self.overlay and self._can_overlay(layout, cwd, [*state_dirs, *hide]):
+                layout.workdir_overlay(cwd)
+                inside_cwd = cwd
+                workdir = "overlay"
+            else:
+                inside_cwd = layout.fresh_workdir()
+                workdir = "fresh"
+                _warn_of_hidden_arguments(argv, cwd, layout)
+            for path in policy.read_only:
+                layout.bind(path, writable=False)
+            for path in policy.read_write:
+                layout.bind(path, writable=True, fd=held[path])
+            inside_socket = layout.socket(socket)
+            sockets = _socket_masks(
+                bound_unix_sockets(),
+                channel=socket,
+                writable=[Path(os.path.realpath(p)) for p in policy.writable],
+                keep=[cwd, *needed],
+            )
+            layout.mask([*state_dirs, *hidden, *hide, *sockets])
+            options = [
+                *layout.args,
+                "--chdir",
+                str(inside_cwd),
+                *self.namespace_options(policy.network),
+            ]
+            description = {**self.describe(policy.network), "workdir": workdir}
+            seccomp = syscall_filter() if seccomp_supported() else None
+            description["seccomp"] = seccomp is not None
+            return SandboxLaunch(
+                program=self.bwrap,
+                options=tuple(options),
+                command=(*self.command_prefix(), *argv),
+                env=_scrubbed(env, [str(p) for p in state_dirs], inside_socket),
+                description=description,
+                exposed=tuple(layout.exposed),
+                masked=tuple(layout.masked),
+                seccomp=seccomp,
+                pass_fds=tuple(held.values()),
             )
         except BaseException:
             for fd in held.values():
                 os.close(fd)
             raise
-
-    def _build(
-        self,
-        policy: SandboxPolicy,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        cwd: Path,
-        state_dir: Path,
-        socket: Path,
-        hidden: Sequence[Path],
-        tmpfs_size: int | None,
-        overlay: bool,
-        held: Mapping[Path, int],
-    ) -> SandboxLaunch:
-        for path in policy.read_only:
-            if not os.path.lexists(path):
-                raise SandboxError(f"[sandbox] read_only path {path} does not exist")
-        layout = Layout(self.account, builder_is_root=self.root, tmpfs_size=tmpfs_size)
-        layout.base()
-        needed = command_paths(argv, env, cwd)
-        if policy.workdir is None and layout.shows(cwd):
-            # The launch folder, not under /tmp: the working directory is an
-            # overlay of it, reachable even where root's folders close the way.
-            needed.append(cwd)
-        if policy.network == "host":
-            # /etc/resolv.conf is often a link into /run, which the guest gets fresh.
-            needed.append(Path(os.path.realpath("/etc/resolv.conf")))
-        layout.expose(needed)
-        state_dirs = {state_dir, Path(os.path.realpath(state_dir))}
-        hide = {*policy.hide, *(Path(os.path.realpath(p)) for p in policy.hide)}
-        # The working directory before the plan's paths: an overlay of the launch
-        # folder would otherwise cover a read_write folder inside it.
-        if policy.workdir is not None:
-            layout.bind(policy.workdir, writable=True, fd=held[policy.workdir])
-            inside_cwd = policy.workdir
-            workdir = str(policy.workdir)
-        elif overlay and self.overlay and self._can_overlay(layout, cwd, [*state_dirs, *hide]):
-            layout.workdir_overlay(cwd)
-            inside_cwd = cwd
-            workdir = "overlay"
-        else:
-            inside_cwd = layout.fresh_workdir()
-            workdir = "fresh"
-            _warn_of_hidden_arguments(argv, cwd, layout)
-        for path in policy.read_only:
-            layout.bind(path, writable=False)
-        for path in policy.read_write:
-            layout.bind(path, writable=True, fd=held[path])
-        inside_socket = layout.socket(socket)
-        sockets = _socket_masks(
-            bound_unix_sockets(),
-            channel=socket,
-            writable=[Path(os.path.realpath(p)) for p in policy.writable],
-            keep=[cwd, *needed],
-        )
-        layout.mask([*state_dirs, *hidden, *hide, *sockets])
-        options = [
-            *layout.args,
-            "--chdir",
-            str(inside_cwd),
-            *self.namespace_options(policy.network),
-        ]
-        description = {**self.describe(policy.network), "workdir": workdir}
-        seccomp = syscall_filter() if seccomp_supported() else None
-        description["seccomp"] = seccomp is not None
-        return SandboxLaunch(
-            program=self.bwrap,
-            options=tuple(options),
-            command=(*self.command_prefix(), *argv),
-            env=_scrubbed(env, [str(p) for p in state_dirs], inside_socket),
-            description=description,
-            exposed=tuple(layout.exposed),
-            masked=tuple(layout.masked),
-            seccomp=seccomp,
-            pass_fds=tuple(held.values()),
-        )
 
     def _prepare_writable(self, path: Path) -> int:
         """Make a missing writable folder (as root: the guest's), or check that
