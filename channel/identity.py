@@ -60,7 +60,7 @@ def authenticate(
 ) -> tuple[ExecutionPort, bytes]:
     """Checks 1-4 of docs/protocol.md, "Every request carries four headers" on
     the request headers. Returns the execution and the credential presented
-    (the request's own, for :func:`carries_credential`).
+    (the request's own: a call may not carry it, see :func:`spells_credential`).
 
     Raises:
         Refusal: ``unauthenticated``, ``plan_mismatch`` or ``execution_fenced``.
@@ -83,13 +83,12 @@ def authenticate(
     return execution, token
 
 
-def spells_credential(credential: bytes, body: bytes, decoded: object) -> bool:
-    """Whether a request ``body`` that does not hold its ``credential``
-    verbatim spells it with JSON's ``\\u`` escapes: only a body with an
-    escape is looked at decoded (``decoded``, the parsed body). The caller
-    checks ``credential in body`` first, on the hot path (SPEC §3: a call
-    carrying it is refused, or it would reach the records and the logs)."""
-    return b"\\u" in body and credential.decode() in json.dumps(decoded, ensure_ascii=False)
+def spells_credential(credential: bytes, decoded: object) -> bool:
+    """Whether ``decoded``, a parsed request body, holds ``credential``. The
+    caller asks only of a body that has a JSON ``\\u`` escape and does not hold
+    it verbatim (``credential in body``, on the hot path): SPEC §3, a call
+    carrying it is refused, or it would reach the records and the logs."""
+    return credential.decode() in json.dumps(decoded, ensure_ascii=False)
 
 
 def check_origin(peer: Peer, execution: ExecutionPort, transport: asyncio.BaseTransport) -> None:

@@ -303,8 +303,7 @@ class ChannelServer:
         body = await self._read_body(request)
         call = parse_call_request(body)
         if credential in body or (
-            b"\\u" in body
-            and spells_credential(credential, body, [call.call_id, call.tool, call.args])
+            b"\\u" in body and spells_credential(credential, [call.call_id, call.tool, call.args])
         ):
             raise Refusal("bad_request", "a call may not carry the guest's credential")
         reply = await execution.broker.call(call.call_id, call.tool, call.args)

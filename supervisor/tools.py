@@ -465,6 +465,9 @@ def has_non_finite(value: Any) -> bool:
             if not math.isfinite(item):
                 return True
             continue
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
         if isinstance(item, dict):
             inner: Iterable[Any] = item.values()
         elif isinstance(item, list | tuple | set | frozenset):
@@ -475,7 +478,5 @@ def has_non_finite(value: Any) -> bool:
             inner = [getattr(item, f.name) for f in dataclasses.fields(item)]
         else:
             continue
-        if id(item) not in seen:
-            seen.add(id(item))
-            todo.extend(inner)
+        todo.extend(inner)
     return False

@@ -220,7 +220,7 @@ class SandboxHost:
         check_links(policy, self.account.uid if self.root else None)
         # Each writable folder is mounted from the descriptor its walk opened,
         # not by name: a folder swapped on the way since cannot redirect it.
-        held: dict[Path, int] = {}
+        held: dict[Path, tuple[int, Path]] = {}
         try:
             for path in policy.writable:
                 if path not in held:
@@ -244,7 +244,7 @@ class SandboxHost:
             # The working directory before the plan's paths: an overlay of the launch
             # folder would otherwise cover a read_write folder inside it.
             if policy.workdir is not None:
-                layout.bind(policy.workdir, writable=True, fd=held[policy.workdir])
+                layout.bind(policy.workdir, writable=True, held=held[policy.workdir])
                 inside_cwd = policy.workdir
                 workdir = str(policy.workdir)
             elif overlay and self.overlay and self._can_overlay(layout, cwd, [*state_dirs, *hide]):
@@ -258,7 +258,7 @@ class SandboxHost:
             for path in policy.read_only:
                 layout.bind(path, writable=False)
             for path in policy.read_write:
-                layout.bind(path, writable=True, fd=held[path])
+                layout.bind(path, writable=True, held=held[path])
             inside_socket = layout.socket(socket)
             sockets = _socket_masks(
                 bound_unix_sockets(),
@@ -285,17 +285,18 @@ class SandboxHost:
                 exposed=tuple(layout.exposed),
                 masked=tuple(layout.masked),
                 seccomp=seccomp,
-                pass_fds=tuple(held.values()),
+                pass_fds=tuple(fd for fd, _ in held.values()),
             )
         except BaseException:
-            for fd in held.values():
+            for fd, _ in held.values():
                 os.close(fd)
             raise
 
-    def _prepare_writable(self, path: Path) -> int:
+    def _prepare_writable(self, path: Path) -> tuple[int, Path]:
         """Make a missing writable folder (as root: the guest's), or check that
         the guest's uid may write an existing one; returns an ``O_PATH``
-        descriptor of it, which the sandbox mounts.
+        descriptor of it and the real path walked, which the sandbox mounts
+        (the one from the other, whatever the path's name resolves to since).
 
         By the real path :func:`check_links` vetted, one folder at a time from
         ``/`` and never through a symlink (``O_NOFOLLOW``): a guest still
@@ -312,7 +313,7 @@ class SandboxHost:
                 f"{exc.filename or real} (a symlink that appeared on the way is refused)"
             ) from None
         if made or not self.root or (self.account.may(st, 2) and self.account.may(st, 1)):
-            return fd
+            return fd, real
         os.close(fd)
         raise SandboxError(
             f"[sandbox] {path} is not writable by the guest's uid {self.account.uid} "

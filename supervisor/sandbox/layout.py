@@ -170,19 +170,21 @@ class Layout:
             elif not (self.shows(path) and self.reachable(path)):
                 self.bind(path, writable=False)
 
-    def bind(self, path: Path, *, writable: bool, fd: int | None = None) -> None:
-        """Bind a host path at its own place (from ``fd``, a descriptor of it,
-        when given: then no folder swapped on the way since can redirect it).
+    def bind(self, path: Path, *, writable: bool, held: tuple[int, Path] | None = None) -> None:
+        """Bind a host path at its own place; ``held``, a descriptor of it and
+        its real path as they were checked, is mounted instead of the name:
+        then no folder swapped on the way since moves the mount or its source.
 
         Mounted where it really is (bubblewrap would resolve a symlink in the
         source but mount at the link's own place, where masks computed for the
         real place would not cover it), with the links on the way recreated
         where the guest would not otherwise see them.
         """
-        real = Path(os.path.realpath(path))
+        real = Path(os.path.realpath(path)) if held is None else held[1]
         self._parents(real)
-        if fd is not None:
-            self.args += ["--bind-fd" if writable else "--ro-bind-fd", str(fd), str(real)]
+        if held is not None:
+            kind = "--bind-fd" if writable else "--ro-bind-fd"
+            self.args += [kind, str(held[0]), str(real)]
         else:
             self.args += ["--bind" if writable else "--ro-bind", str(real), str(real)]
         self._mounts.append(_Mount(real, "host"))
