@@ -11,8 +11,8 @@ The same with asyncio is `guest_client.aio.AsyncHostClient`; model adapters
 (`call_openai`, `call_anthropic`, `tools_for`) are methods of both clients,
 built on `guest_client.adapters`. docs/guests.md is the guide.
 
-Importing this package takes a few milliseconds: `http.client` and `socket`
-load with the first request, `random` with the first retry, `uuid` with the
+Importing this package takes a few milliseconds: `socket` loads with the
+first request, `random` with the first retry, `uuid` with the
 first minted `call_id`, and `asyncio` only with `guest_client.aio`.
 """
 

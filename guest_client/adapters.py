@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 
 from guest_client.errors import Refused, ToolError
-from guest_client.wire import MAX_CALL_ID_LENGTH, validate_call_id
+from guest_client.wire import is_call_id, validate_call_id
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -54,7 +54,6 @@ _GUEST_WIDE_CODES = frozenset(
     }
 )
 _DERIVED_PREFIX = "hc-sha256-"
-_CALL_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
 
 
 def call_id_for(model_id: str) -> str:
@@ -73,7 +72,7 @@ def call_id_for(model_id: str) -> str:
         raise TypeError(f"a tool-call id must be a str, not {type(model_id).__name__}")
     if not model_id:
         raise ValueError("the tool call has an empty id")
-    if len(model_id) <= MAX_CALL_ID_LENGTH and all(c in _CALL_ID_CHARS for c in model_id):
+    if is_call_id(model_id):
         return model_id
     import hashlib  # Only ids from unusual providers need it.
 

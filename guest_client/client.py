@@ -289,8 +289,7 @@ class HostClient:
             if self._closed:
                 raise RuntimeError("the hostcall client is closed")
             if self._transport is None:
-                # Imported on first use: http.client and socket are most of
-                # the client's import time.
+                # Imported on first use: socket is most of the client's import time.
                 from guest_client.transport import UnixTransport
 
                 self._transport = UnixTransport(

@@ -34,8 +34,8 @@ CREDENTIAL_READ_TIMEOUT_S = 10.0
 MAX_CREDENTIAL_BYTES = 4096
 
 # RFC 6750 bearer tokens use the token68 alphabet (RFC 7235 section 2.1).
-# Checking it here also keeps http.client from ever quoting a malformed
-# credential in a "bad header value" error.
+# Checking it here also keeps a malformed credential from ever reaching the
+# request encoder, whose errors name a bad header.
 _TOKEN68 = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/")
 # Visible ASCII: what an id may hold to travel as a header value.
 _VISIBLE = frozenset(chr(c) for c in range(0x21, 0x7F))

@@ -21,6 +21,7 @@ __all__ = [
     "TransportFailure",
     "call_path",
     "encode_call",
+    "is_call_id",
     "validate_call_id",
 ]
 
@@ -28,7 +29,7 @@ CALLS_PATH = "/v1/calls"
 PLAN_PATH = "/v1/plan"
 MAX_CALL_ID_LENGTH = 128
 # docs/protocol.md, "Endpoints": a call_id is 1-128 characters of [A-Za-z0-9._:-].
-_CALL_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
+_CALL_ID_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-"
 
 
 class Request:
@@ -123,17 +124,20 @@ if TYPE_CHECKING:
             """Close every connection; later sends may fail."""
 
 
+def is_call_id(text: str) -> bool:
+    """Whether `text` is 1-128 characters of `[A-Za-z0-9._:-]` (docs/protocol.md, "Endpoints")."""
+    # strip() takes alphabet characters off both ends: nothing is left only
+    # when every character is in the alphabet.
+    return 0 < len(text) <= MAX_CALL_ID_LENGTH and not text.strip(_CALL_ID_CHARS)
+
+
 def validate_call_id(call_id: str) -> str:
     """Check a call_id against docs/protocol.md, "Endpoints" and return it.
 
     Raises:
         ValueError: It is not 1-128 characters of `[A-Za-z0-9._:-]`.
     """
-    if (
-        not isinstance(call_id, str)
-        or not 0 < len(call_id) <= MAX_CALL_ID_LENGTH
-        or not all(c in _CALL_ID_CHARS for c in call_id)
-    ):
+    if not isinstance(call_id, str) or not is_call_id(call_id):
         raise ValueError(
             f"call_id must be 1-{MAX_CALL_ID_LENGTH} characters of [A-Za-z0-9._:-], not {call_id!r}"
         )

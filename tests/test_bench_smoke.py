@@ -212,6 +212,25 @@ def test_a_quick_run_reports_guests_launch_fsync_import_time_and_the_thread_hop(
     assert results["machine"]["cores"] >= 1
 
 
+def test_the_guest_client_is_measured_against_a_raw_client_through_a_real_guest(
+    quick_run: tuple[dict[str, Any], str],
+) -> None:
+    results, stdout = quick_run
+    client = results["client"]
+    assert client["status"] == "ok"
+    for name in ("raw", "sync", "async"):
+        measured = client[name]
+        assert measured["calls_per_s"] > 0
+        assert 0 < measured["p50_us"] <= measured["p99_us"]
+        assert measured["client_cpu_us_per_call"] > 0
+        assert measured["server_cpu_us_per_call"] is not None
+    for name in ("sync", "async"):
+        assert client[name]["p50_us_vs_raw"] > 0
+        assert client[name]["client_cpu_us_per_call_vs_raw"] > 0
+    assert "guest_client HostClient" in stdout
+    assert "guest_client AsyncHostClient" in stdout
+
+
 def test_every_check_of_issues_8_and_12_has_a_value_and_a_verdict(
     quick_run: tuple[dict[str, Any], str],
 ) -> None:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import select
+import socket
 import sys
 from typing import Any, NoReturn
 
 from guest_client import EffectUnknown, GuestEnvironment, HostClient, Refused, connect
-from guest_client.transport import UnixHTTPConnection
+from guest_client.http11 import encode_request
 
 #: Upper bound for the one request this agent sends by hand.
 WIRE_TIMEOUT_S = 30.0
@@ -57,17 +58,13 @@ def post_and_hang_up(env: GuestEnvironment, call_id: str, tool: str, args: dict[
     """
     body = json.dumps({"call_id": call_id, "tool": tool, "args": args}).encode()
     headers = {**env.identity_headers(), "Content-Type": "application/json"}
-    connection = UnixHTTPConnection(env.socket_path, timeout=WIRE_TIMEOUT_S)
-    try:
-        connection.request("POST", "/v1/calls", body=body, headers=headers)
-        sock = connection.sock
-        if sock is None:
-            fail("the connection closed before the request was sent")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(WIRE_TIMEOUT_S)
+        sock.connect(env.socket_path)
+        sock.sendall(encode_request("POST", "/v1/calls", headers, body))
         readable, _, _ = select.select([sock], [], [], WIRE_TIMEOUT_S)
         if not readable:
             fail(f"no answer to {call_id} within {WIRE_TIMEOUT_S:g} s")
-    finally:
-        connection.close()
 
 
 def step_executed(client: HostClient) -> None:

@@ -79,12 +79,14 @@ SERVER_START_S: Final = 30.0
 SERVER_STOP_S: Final = 10.0
 #: ``nosandbox``: every measurement of guests without their sandbox (the pairs too).
 PARTS: Final = (
-    "echo", "hostcall", "nosandbox", "mcp", "launch", "many", "import", "wasm", "busy"
+    "echo", "hostcall", "nosandbox", "mcp", "launch", "many", "import", "wasm", "busy", "client"
 )  # fmt: skip
 #: The ``busy`` part's targets, each run idle and then with a core burnt.
 BUSY_TARGETS: Final = ("echo", "hostcall-memory", "hostcall-sqlite")
 #: The WebAssembly guest of the ``wasm`` part (its ``bench`` mode), built with ziglang.
 AGENT_C: Final = ROOT / "examples" / "guests" / "wasm" / "agent.c"
+#: The guest of the ``client`` part: guest_client against a raw client.
+CLIENT_COST: Final = HERE / "client_cost.py"
 STORES: Final = ("memory", "sqlite")
 
 
@@ -113,6 +115,9 @@ class Settings:
     fsync_samples: int = 200
     hop_samples: int = 2000
     rounds: int = 2
+    #: The ``client`` part: rounds of the three clients in turn, seconds each.
+    client_rounds: int = 5
+    client_duration_s: float = 1.0
 
     @classmethod
     def quick(cls) -> Settings:
@@ -133,6 +138,8 @@ class Settings:
             pairs=1,
             busy_pairs=1,
             pair_duration_s=0.25,
+            client_rounds=1,
+            client_duration_s=0.2,
         )
 
     def point_budget(self, points: int) -> float:
@@ -617,6 +624,43 @@ def bench_wasm(work: Path, settings: Settings) -> dict[str, Any]:
     return found
 
 
+def bench_client(work: Path, settings: Settings) -> dict[str, Any]:
+    """What the guest client costs a call, against a raw client on the same
+    socket (``client_cost.py``): one sandboxed guest on the memory store, one
+    call at a time, the clients in turn each round. Each figure is the
+    median over the rounds, and each ratio the median of the rounds' own
+    ratios to the raw client."""
+    argv = [
+        sys.executable,
+        str(CLIENT_COST),
+        "--rounds",
+        str(settings.client_rounds),
+        "--duration",
+        str(settings.client_duration_s),
+    ]
+    budget = 3 * settings.client_rounds * settings.client_duration_s + CHILD_SLACK_S
+    guest = hostcall_run_argv(work / "state-client", "memory", argv)
+    measured = _child_json("guest client", guest, budget, server=True)
+    rounds: dict[str, list[dict[str, Any]]] = {}
+    for found in measured["points"]:
+        rounds.setdefault(found["client"], []).append(found)
+    fields = ("calls_per_s", "p50_us", "p99_us", "client_cpu_us_per_call", "server_cpu_us_per_call")
+    result: dict[str, Any] = {"status": "ok", "store": "memory", "rounds": settings.client_rounds}
+    for client, points in rounds.items():
+        result[client] = {
+            key: round(statistics.median(p[key] for p in points), 1) for key in fields
+        }
+    for client in ("sync", "async"):
+        for key in ("p50_us", "client_cpu_us_per_call", "server_cpu_us_per_call"):
+            result[client][f"{key}_vs_raw"] = round(
+                statistics.median(
+                    p[key] / raw[key] for p, raw in zip(rounds[client], rounds["raw"], strict=True)
+                ),
+                3,
+            )
+    return result
+
+
 def best_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Per target and point, the round with the most calls/s (its latencies with it).
 
@@ -739,6 +783,10 @@ def run(settings: Settings, work: Path, skip: set[str]) -> tuple[dict[str, Any],
             scratch,
             settings,
         )
+    if "client" not in skip:
+        results["client"] = attempt(
+            "guest_client against a raw client", bench_client, work, settings
+        )
     results["thread_hop"] = attempt("thread hop", system.thread_hop, settings.hop_samples)
     for target, entry in targets.items():
         for found in entry.get("points", []):
@@ -827,6 +875,23 @@ def summary(results: dict[str, Any]) -> str:
                     f"p50 {found[name]['p50_us']} vs {native['p50_us']} µs "
                     f"(× {found[name + '_p50_ratio']})"
                 )
+    client = results.get("client") or {}
+    if client.get("status") == "ok":
+        raw = client["raw"]
+        lines.append(
+            f"raw client, one call at a time ({client['store']} store, sandboxed): p50 "
+            f"{raw['p50_us']} µs, guest CPU {raw['client_cpu_us_per_call']} µs/call, "
+            f"server CPU {raw['server_cpu_us_per_call']} µs/call"
+        )
+        for name, label in (("sync", "HostClient"), ("async", "AsyncHostClient")):
+            found = client[name]
+            lines.append(
+                f"  guest_client {label}: p50 {found['p50_us']} µs (× {found['p50_us_vs_raw']}), "
+                f"guest CPU {found['client_cpu_us_per_call']} µs/call "
+                f"(× {found['client_cpu_us_per_call_vs_raw']}), server CPU "
+                f"{found['server_cpu_us_per_call']} µs/call "
+                f"(× {found['server_cpu_us_per_call_vs_raw']})"
+            )
     hop = results.get("thread_hop") or {}
     if hop.get("status") != "failed" and hop:
         lines.append(

@@ -4,10 +4,13 @@ the backoff schedule and what each response means."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Generator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from guest_client import (
     EffectUnknown,
@@ -32,9 +35,13 @@ from guest_client.wire import (
     Sleep,
     TransportFailure,
     call_path,
+    is_call_id,
     mint_call_id,
     validate_call_id,
 )
+
+#: docs/protocol.md, "Endpoints".
+CALL_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class FakeClock:
@@ -259,6 +266,12 @@ def test_valid_call_ids_are_accepted(call_id: str) -> None:
 def test_malformed_call_ids_are_refused_before_sending(call_id: str) -> None:
     with pytest.raises(ValueError, match="call_id"):
         call_flow(Budget(RetryPolicy(), FakeClock()), call_id, "t", None)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text(alphabet=st.characters(max_codepoint=0x17F), max_size=130) | st.from_regex(CALL_ID))
+def test_the_call_id_check_agrees_with_the_protocols_pattern(text: str) -> None:
+    assert is_call_id(text) is (CALL_ID.fullmatch(text) is not None)
 
 
 def test_minted_call_ids_are_valid_and_fresh() -> None:

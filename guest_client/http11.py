@@ -1,0 +1,194 @@
+"""The little HTTP/1.1 the clients speak to the channel, without I/O.
+
+One request at a time per connection; a response body framed by
+`Content-Length`, chunks or the connection's end; `Connection: close` and
+HTTP/1.0 honoured (RFC 9112). Both transports use it: the sync one on a
+blocking socket, the async one on asyncio streams. A response is read by a
+generator (`response_steps`) that says what it needs next — the bytes up to a
+separator, an exact number of bytes, or the rest of the connection — and is
+sent those bytes, so neither transport parses anything itself (h11's way,
+as a generator).
+
+The standard library's `http.client` would do for the sync client, but it
+sends a request's head and body in two writes (two wake-ups of the host per
+call) and parses every response's headers with the `email` package: together
+about half of the sync client's CPU per call (docs/benchmarks.md, "The guest
+client's own cost").
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Generator, Mapping
+    from typing import TypeAlias
+
+__all__ = [
+    "MAX_HEAD_BYTES",
+    "BadResponse",
+    "RequestEncoder",
+    "encode_request",
+    "parse_head",
+    "response_steps",
+]
+
+# A response head (status line and headers) longer than this is not from the
+# channel: the host's heads are a few hundred bytes.
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADERS = 100
+
+_HEAD_END = b"\r\n\r\n"
+_LINE_END = b"\r\n"
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+
+if TYPE_CHECKING:
+    #: What `response_steps` asks for: a separator (bytes) for the bytes up to
+    #: and including it, a count (int) for that many bytes, None for the rest
+    #: of the connection.
+    Step: TypeAlias = bytes | int | None
+    #: Yields steps, is sent their bytes, returns (status, body, will_close).
+    ResponseSteps: TypeAlias = Generator[Step, bytes, tuple[int, bytes, bool]]
+
+
+class BadResponse(Exception):
+    """The bytes on the connection are not an HTTP/1.1 response."""
+
+
+class RequestEncoder:
+    """Encodes requests that all carry the same headers (RFC 9112 section 3).
+
+    The headers are checked and encoded once. Their values come from the
+    guest's environment, which `GuestEnvironment` has already checked to be
+    visible ASCII, and from this package; a CR or LF in one would split the
+    request, so it is refused.
+    """
+
+    __slots__ = ("_block",)
+
+    def __init__(self, headers: Mapping[str, str]) -> None:
+        """Args:
+        headers: Sent on every request, after `Host: localhost`.
+
+        Raises:
+            ValueError: A header name or value holds a CR or LF.
+        """
+        lines = ["Host: localhost"]
+        for name, value in headers.items():
+            if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
+                raise ValueError(f"header {name!r} holds a line break")
+            lines.append(f"{name}: {value}")
+        self._block = ("\r\n".join(lines) + "\r\n").encode("latin-1")
+
+    def encode(self, method: str, path: str, body: bytes | None) -> bytes:
+        """The bytes of one request: its head and body in one piece, so that
+        it leaves in one write.
+
+        `method` and `path` come from this package (a path's `call_id` is
+        checked against its alphabet), never from the host.
+        """
+        start = f"{method} {path} HTTP/1.1\r\n".encode("latin-1")
+        if body is None:
+            return b"%s%s\r\n" % (start, self._block)
+        return b"%s%sContent-Length: %d\r\n\r\n%s" % (start, self._block, len(body), body)
+
+
+def encode_request(method: str, path: str, headers: Mapping[str, str], body: bytes | None) -> bytes:
+    """The bytes of one HTTP/1.1 request; see `RequestEncoder`.
+
+    Raises:
+        ValueError: A header name or value holds a CR or LF.
+    """
+    return RequestEncoder(headers).encode(method, path, body)
+
+
+def parse_head(head: bytes) -> tuple[int, bool, dict[str, str]]:
+    """Parse a response's status line and header lines.
+
+    Args:
+        head: Everything up to and including the blank line.
+
+    Returns:
+        The status code, whether the server speaks HTTP/1.0 (so the
+        connection closes unless it says keep-alive), and the headers with
+        lower-case names (repeated ones joined with ", ").
+
+    Raises:
+        BadResponse: It is not an HTTP/1.x response head.
+    """
+    text = head.decode("latin-1")
+    status_line, _, rest = text.partition("\r\n")
+    version, _, remainder = status_line.partition(" ")
+    code = remainder[:3]
+    if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
+        raise BadResponse(f"not an HTTP/1.1 status line: {status_line[:80]!r}")
+    headers: dict[str, str] = {}
+    lines = [line for line in rest.split("\r\n") if line]
+    if len(lines) > MAX_HEADERS:
+        raise BadResponse(f"more than {MAX_HEADERS} header lines")
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip():
+            raise BadResponse(f"malformed header line: {line[:80]!r}")
+        key = name.lower()
+        value = value.strip()
+        headers[key] = f"{headers[key]}, {value}" if key in headers else value
+    return int(code), version == "HTTP/1.0", headers
+
+
+def response_steps() -> ResponseSteps:
+    """Read one whole response, step by step; returns its status, its body,
+    and whether the server will close the connection after it.
+
+    Raises (from the generator):
+        BadResponse: The bytes are not a response this client understands.
+    """
+    while True:
+        head = yield _HEAD_END
+        status, http10, headers = parse_head(head)
+        if not 100 <= status < 200:
+            break
+        # 1xx responses have no body (RFC 9110 section 15.2); the final one follows.
+    connection = _tokens(headers.get("connection"))
+    will_close = "close" in connection or (http10 and "keep-alive" not in connection)
+    encoding = _tokens(headers.get("transfer-encoding"))
+    if "chunked" in encoding:
+        body = yield from _chunked_steps()
+    elif encoding:
+        raise BadResponse(f"unsupported transfer-encoding {headers['transfer-encoding']!r}")
+    elif "content-length" in headers:
+        length_text = headers["content-length"]
+        if not length_text.isdigit():
+            raise BadResponse(f"bad content-length {length_text!r}")
+        length = int(length_text)
+        body = (yield length) if length else b""
+    elif status in (204, 304):
+        body = b""
+    else:
+        # Neither length nor chunks: the body runs to the end of the connection.
+        body = yield None
+        will_close = True
+    return status, body, will_close
+
+
+def _chunked_steps() -> Generator[Step, bytes, bytes]:
+    chunks: list[bytes] = []
+    while True:
+        size_line = yield _LINE_END
+        size_text = size_line.split(b";", 1)[0].strip()
+        # Hex digits only: int() would also take a sign, "0x" and underscores.
+        if not size_text or size_text.strip(_HEX_DIGITS):
+            raise BadResponse(f"bad chunk size {size_text[:20]!r}")
+        size = int(size_text, 16)
+        if size == 0:
+            # Trailer fields, if any, end with a blank line.
+            for _ in range(MAX_HEADERS + 1):
+                if (yield _LINE_END) == b"\r\n":
+                    return b"".join(chunks)
+            raise BadResponse(f"more than {MAX_HEADERS} trailer lines")
+        chunks.append((yield size))
+        if (yield 2) != b"\r\n":
+            raise BadResponse("a chunk does not end with CRLF")
+
+
+def _tokens(value: str | None) -> set[str]:
+    return {token.strip().lower() for token in value.split(",")} if value else set()
