@@ -209,6 +209,10 @@ class ExecutionTable:
         """Register a new execution."""
         self._by_id[execution.execution_id] = execution
 
+    def discard(self, execution: Execution) -> None:
+        """Forget an execution whose guest never started: nothing of it ran."""
+        self._by_id.pop(execution.execution_id, None)
+
     def retire(self, execution: Execution, outcome: ExecutionOutcome) -> None:
         """An execution ended with ``outcome``: it keeps only what its id
         still answers for; the oldest ended ones are forgotten."""

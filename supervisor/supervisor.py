@@ -492,7 +492,7 @@ class Supervisor:
                 stderr=asyncio.subprocess.PIPE if capture_err else launch.stderr,
             )
         except BaseException:
-            execution.end()
+            self._never_started(execution)
             raise
         process = guest.process
         execution.started(
@@ -540,7 +540,16 @@ class Supervisor:
     def _retire(self, execution: Execution, outcome: ExecutionOutcome) -> None:
         """It ended and nothing of it runs: keep its outcome, free the rest."""
         self._executions.retire(execution, outcome)
-        invocation_id = execution.invocation_id
+        self._forget_if_idle(execution.invocation_id)
+
+    def _never_started(self, execution: Execution) -> None:
+        """Its guest could not start: the caller is told why (the exception),
+        and the execution is not kept as one that ran and has no outcome."""
+        execution.end()
+        self._executions.discard(execution)
+        self._forget_if_idle(execution.invocation_id)
+
+    def _forget_if_idle(self, invocation_id: str) -> None:
         self.activity.changed(Topic.INVOCATIONS, invocation_id)
         if not any(e.live for e in self._executions.of_invocation(invocation_id)):
             # Nothing of it runs here now; a resume rebuilds it from the store.
@@ -575,7 +584,7 @@ class Supervisor:
                 workdir=plan.sandbox.workdir,
             )
         except BaseException:
-            execution.end()
+            self._never_started(execution)
             raise
         execution.started_wasm(guest.sandbox)
         self.activity.changed(Topic.INVOCATIONS, invocation_id)

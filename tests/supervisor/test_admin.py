@@ -317,6 +317,39 @@ async def test_a_served_plan_launches_guests_through_the_admin_api(
 
 
 @pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
+async def test_a_launch_whose_program_is_missing_leaves_no_execution_behind(
+    tmp_path: Path, ledger: Ledger, sandbox: bool
+) -> None:
+    plan = billing_plan(ledger)
+    async with Supervisor(tmp_path / "s", plan=plan, sandbox=sandbox) as sup:
+        with pytest.raises(AdminError) as refused:
+            await admin(
+                sup,
+                "POST",
+                "/v1/invocations",
+                {"argv": [str(tmp_path / "no-such-program")], "invocation": "inv_missing"},
+            )
+        listed = await admin(sup, "GET", "/v1/invocations")
+        # The launch after it, of the same invocation, works as a first one would.
+        launched = await admin(
+            sup,
+            "POST",
+            "/v1/invocations",
+            {"argv": ["true"], "invocation": "inv_missing", "timeout_s": STEP_TIMEOUT_S},
+        )
+
+    assert refused.value.status == 400
+    assert "cannot start" in str(refused.value)
+    assert isinstance(listed, list)
+    missing = [i for i in listed if i["invocation_id"] == "inv_missing"]
+    # Nothing ran: no execution without an outcome, and none the guest could call as.
+    assert [i["executions"] for i in missing] in ([], [[]])
+    assert [e.execution_id for e in sup.executions("inv_missing")] == [
+        launched["execution_id"]  # type: ignore[index]
+    ]
+
+
+@pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
 async def test_a_guest_cannot_use_the_admin_api_to_approve_itself(
     tmp_path: Path, ledger: Ledger, sandbox: bool
 ) -> None:
