@@ -35,7 +35,8 @@ reports the steal share of ``/proc/stat``: time the hypervisor gave to
 other guests, a busy host that no process here shows.
 Plus: many guests on one supervisor (sandboxed, and not),
 guest launch overhead (sandboxed, and not), fsync cost, ``guest_client``
-import time. Prints the tables and the checks of issues 8 and 12, writes
+import time, and what ``guest_client`` costs a call against a raw client
+(``client_cost.py``). Prints the tables and the checks of issues 8 and 12, writes
 JSON to ``bench-results/bench-<time>.json`` (and ``--json``).
 ``hotspots.py`` beside this file profiles the supervisor at one point.
 """
