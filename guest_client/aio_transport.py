@@ -1,14 +1,15 @@
 """HTTP/1.1 over the channel's Unix socket for asyncio, with kept-alive connections.
 
-The HTTP itself is `guest_client.http11`'s, the sync transport's too; this
-module only moves its bytes on asyncio streams.
+The HTTP itself is `guest_client.http11`'s, the sync transport's too: each
+connection is an asyncio protocol that feeds what it receives to a
+`ResponseReader`, so bytes that arrive while it sits idle are seen.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from guest_client.http11 import MAX_HEAD_BYTES, BadResponse, RequestEncoder, response_steps
+from guest_client.http11 import BadResponse, ConnectionEnded, RequestEncoder, ResponseReader
 from guest_client.wire import Response, TransportFailure
 
 TYPE_CHECKING = False
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
     from guest_client.wire import Request
 
-__all__ = ["AsyncUnixTransport", "read_response"]
+__all__ = ["AsyncUnixTransport"]
 
 # Idle connections kept for reuse. Many calls in flight each hold a connection
 # of their own; beyond this many, connections close when their call is done.
@@ -26,46 +27,84 @@ MAX_IDLE_CONNECTIONS = 16
 CLOSE_TIMEOUT_S = 1.0
 
 
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
-    """Read one whole response: its status, body, and whether the server
-    will close the connection after it.
+class _Connection(asyncio.Protocol):
+    """One connection to the channel: it sends a request and feeds the
+    answer to its reader, one exchange at a time."""
 
-    Raises:
-        BadResponse: The bytes are not a response this client understands.
-        asyncio.IncompleteReadError: The connection ended mid-response.
-        asyncio.LimitOverrunError: A head or line longer than `MAX_HEAD_BYTES`.
-        OSError: The connection broke.
-    """
-    steps = response_steps()
-    step = next(steps)
-    try:
-        while True:
-            if isinstance(step, bytes):
-                data = await reader.readuntil(step)
-            elif step is None:
-                data = await reader.read()
-            else:
-                data = await reader.readexactly(step)
-            step = steps.send(data)
-    except StopIteration as stop:
-        response: tuple[int, bytes, bool] = stop.value
-        return response
-
-
-class _Connection:
-    __slots__ = ("reader", "used", "writer")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+    def __init__(self) -> None:
+        self.reader = ResponseReader()
+        self.transport: asyncio.Transport | None = None
         self.used = False
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiter: asyncio.Future[None] | None = None
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if isinstance(transport, asyncio.Transport):  # always, for a Unix socket
+            self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.reader.feed(b"")
+        self._wake()
+        return False  # close our end too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # A reset after part of the answer still leaves that part fed: the
+        # reader's end says whether anything of the response arrived.
+        self.reader.feed(b"")
+        self._wake()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    # The exchange
+
+    @property
+    def usable(self) -> bool:
+        """Whether an idle connection can carry another request."""
+        return self.transport is not None and not self.transport.is_closing() and self.reader.usable
+
+    async def exchange(self, data: bytes) -> tuple[int, bytes, bool]:
+        """Send a request, read its whole response: its status, body, and
+        whether the connection must close after it.
+
+        Raises:
+            BadResponse: The answer is not a response this client understands.
+            ConnectionEnded: The connection ended before the response did.
+        """
+        if self.transport is None:
+            raise ConnectionEnded(nothing_read=True)
+        self.reader.expect()
+        self.transport.write(data)
+        while True:
+            response = self.reader.next_response()
+            if response is not None:
+                return response
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
     def abort(self) -> None:
-        self.writer.transport.abort()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 class AsyncUnixTransport:
-    """Sends requests to the channel on asyncio streams and reads whole responses.
+    """Sends requests to the channel and reads whole responses.
 
     Many requests may be in flight at once: each has a connection to itself,
     taken from a pool of idle kept-alive connections or newly opened. A
@@ -81,6 +120,9 @@ class AsyncUnixTransport:
         """Args:
         socket_path: The channel's socket.
         headers: Sent on every request (the guest's identity).
+
+        Raises:
+            ValueError: A header holds a line break.
         """
         self._socket_path = socket_path
         self._get = RequestEncoder({**headers, "Accept": "application/json"})
@@ -106,68 +148,69 @@ class AsyncUnixTransport:
         elif self._loop is not loop:
             raise RuntimeError("an AsyncHostClient is bound to the event loop it was first used on")
         deadline = loop.time() + request.timeout
+        data = (self._get if request.body is None else self._post).encode(
+            request.method, request.path, request.body
+        )
         connection = self._checkout()
         sent_before = False
         if connection is not None:
             try:
-                return await self._exchange(connection, request, deadline)
+                return await self._exchange(connection, request, data, deadline)
             except _Stale:
                 sent_before = True
         # A new connection is never stale: `_exchange` raises a plain failure.
-        return await self._exchange(await self._open(deadline, sent_before), request, deadline)
+        return await self._exchange(
+            await self._open(deadline, sent_before), request, data, deadline
+        )
 
     async def aclose(self) -> None:
         """Close the idle connections; connections in use close when done."""
         self._closed = True
         idle, self._idle = self._idle, []
         for connection in idle:
-            connection.writer.close()
+            connection.close()
         for connection in idle:
             try:
                 async with asyncio.timeout(CLOSE_TIMEOUT_S):
-                    await connection.writer.wait_closed()
-            except (OSError, TimeoutError):
+                    await asyncio.shield(connection.closed)
+            except TimeoutError:
                 connection.abort()
 
     async def _open(self, deadline: float, sent_before: bool) -> _Connection:
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(deadline):
-                reader, writer = await asyncio.open_unix_connection(
-                    self._socket_path, limit=MAX_HEAD_BYTES
-                )
+                _, connection = await loop.create_unix_connection(_Connection, self._socket_path)
         except OSError as exc:  # TimeoutError is an OSError
             raise TransportFailure(
                 f"cannot connect to {self._socket_path}: {_describe(exc)}",
                 request_sent=sent_before,
             ) from exc
-        return _Connection(reader, writer)
+        return connection
 
     async def _exchange(
-        self, connection: _Connection, request: Request, deadline: float
+        self, connection: _Connection, request: Request, data: bytes, deadline: float
     ) -> Response:
-        encoder = self._get if request.body is None else self._post
         reused = connection.used
         connection.used = True
         answered = False
         try:
             async with asyncio.timeout_at(deadline):
-                connection.writer.write(encoder.encode(request.method, request.path, request.body))
-                await connection.writer.drain()
-                status, body, will_close = await read_response(connection.reader)
+                status, body, will_close = await connection.exchange(data)
                 answered = True
-        except _BROKEN as exc:
+        except (OSError, BadResponse, ConnectionEnded) as exc:  # TimeoutError is an OSError
             connection.abort()
             failure = TransportFailure(
                 f"{request.method} {request.path} on {self._socket_path}: {_describe(exc)}",
                 request_sent=True,
             )
-            if reused and _nothing_read(exc):
+            if reused and isinstance(exc, ConnectionEnded) and exc.nothing_read:
                 # The host closed the kept-alive connection while it sat idle.
                 raise _Stale(failure) from exc
             raise failure from exc
         finally:
-            if not answered and not connection.writer.is_closing():
-                # Cancelled mid-request: the stream's state is unknown.
+            if not answered:
+                # Cancelled or failed mid-request: the stream's state is unknown.
                 connection.abort()
         if will_close:
             connection.abort()
@@ -178,21 +221,16 @@ class AsyncUnixTransport:
     def _checkout(self) -> _Connection | None:
         while self._idle:
             connection = self._idle.pop()
-            if connection.reader.at_eof() or connection.writer.is_closing():
-                connection.abort()  # The host closed it while it sat idle.
-                continue
-            return connection
+            if connection.usable:
+                return connection
+            connection.abort()  # the host closed it, or it is out of step
         return None
 
     def _checkin(self, connection: _Connection) -> None:
         if not self._closed and len(self._idle) < MAX_IDLE_CONNECTIONS:
             self._idle.append(connection)
         else:
-            connection.writer.close()
-
-
-# How an exchange fails when no whole response arrives (TimeoutError is an OSError).
-_BROKEN = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, BadResponse)
+            connection.close()
 
 
 class _Stale(Exception):
@@ -203,15 +241,9 @@ class _Stale(Exception):
         self.failure = failure
 
 
-def _nothing_read(exc: BaseException) -> bool:
-    if isinstance(exc, asyncio.IncompleteReadError):
-        return not exc.partial
-    return isinstance(exc, ConnectionResetError | BrokenPipeError | ConnectionAbortedError)
-
-
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.IncompleteReadError):
-        return "the connection closed before the response was complete"
+    if isinstance(exc, ConnectionEnded):
+        return str(exc)
     if isinstance(exc, TimeoutError) and not str(exc):
         return "TimeoutError: timed out"  # As the sync transport words it.
     text = str(exc)

@@ -16,6 +16,8 @@ __all__ = ["Budget", "RetryPolicy", "backoff_delay"]
 # 2**60 times any sane base is far past any sane cap; the clamp keeps the
 # float arithmetic from overflowing after very many failures.
 _MAX_EXPONENT = 60
+# Every wait is bounded: a socket's timeout cannot be infinite anyway.
+_FOREVER = float("inf")
 
 
 class RetryPolicy:
@@ -55,8 +57,8 @@ class RetryPolicy:
             raise ValueError(f"backoff_base must be > 0, not {backoff_base!r}")
         if not backoff_max >= backoff_base:
             raise ValueError(f"backoff_max must be >= backoff_base, not {backoff_max!r}")
-        if not deadline > 0:
-            raise ValueError(f"deadline must be > 0, not {deadline!r}")
+        if not 0 < deadline < _FOREVER:
+            raise ValueError(f"deadline must be a finite number of seconds > 0, not {deadline!r}")
         object.__setattr__(self, "_attempts", attempts)
         object.__setattr__(self, "_backoff_base", float(backoff_base))
         object.__setattr__(self, "_backoff_max", float(backoff_max))
@@ -157,8 +159,8 @@ class Budget:
         timeout: float | None = None,
         uniform: Callable[[float, float], float] | None = None,
     ) -> None:
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, not {timeout!r}")
+        if timeout is not None and not 0 < timeout < _FOREVER:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, not {timeout!r}")
         self.policy = policy
         self.clock = clock
         self.deadline = clock() + (policy.deadline if timeout is None else timeout)

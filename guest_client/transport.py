@@ -13,7 +13,7 @@ import os
 import socket
 import time
 
-from guest_client.http11 import MAX_HEAD_BYTES, BadResponse, RequestEncoder, response_steps
+from guest_client.http11 import BadResponse, ConnectionEnded, RequestEncoder, ResponseReader
 from guest_client.wire import Response, TransportFailure
 
 TYPE_CHECKING = False
@@ -29,105 +29,59 @@ __all__ = ["UnixTransport"]
 MAX_IDLE_CONNECTIONS = 4
 # Bytes asked of the socket per read: a whole answer of the channel, mostly.
 RECV_BYTES = 65536
-
-
-class _Ended(Exception):
-    """The connection closed before the response was complete."""
-
-    def __init__(self, nothing_read: bool) -> None:
-        super().__init__("the connection closed before the response was complete")
-        #: No byte of this response arrived: a kept-alive connection the host
-        #: had closed while it sat idle.
-        self.nothing_read = nothing_read
+# How a connection the host closed fails on the way out (a send, or a read
+# that finds the close before anything else).
+_CLOSED_ERRORS = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
 class _Connection:
-    """A connected socket and the bytes read from it but not yet used.
+    """A connected socket and the reader of its responses.
 
     Every blocking operation ends by `deadline` (a `time.monotonic()` value),
     not each within a timeout of its own: a host that drips its answer a byte
     at a time cannot stretch a request.
     """
 
-    __slots__ = ("buffer", "deadline", "got", "sock", "used")
+    __slots__ = ("deadline", "reader", "sock", "used")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.buffer = bytearray()
+        self.reader = ResponseReader()
         self.deadline = 0.0
-        #: Whether any byte of the current response has arrived.
-        self.got = False
         self.used = False
 
-    def _arm(self) -> None:
+    def arm(self) -> None:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out")
         self.sock.settimeout(left)
 
-    def send(self, data: bytes) -> None:
-        self._arm()
-        self.sock.sendall(data)
-
-    def _fill(self) -> None:
-        self._arm()
-        data = self.sock.recv(RECV_BYTES)
-        if not data:
-            raise _Ended(nothing_read=not self.got)
-        self.got = True
-        self.buffer += data
-
-    def _take(self, size: int) -> bytes:
-        data = bytes(self.buffer[:size])
-        del self.buffer[:size]
-        return data
-
-    def until(self, separator: bytes) -> bytes:
-        """The bytes up to and including `separator`."""
-        start = 0
-        while True:
-            end = self.buffer.find(separator, start)
-            if 0 <= end <= MAX_HEAD_BYTES:
-                return self._take(end + len(separator))
-            if len(self.buffer) > MAX_HEAD_BYTES:
-                raise BadResponse(f"no {separator!r} in the first {MAX_HEAD_BYTES} bytes")
-            start = max(0, len(self.buffer) - len(separator) + 1)
-            self._fill()
-
-    def exactly(self, size: int) -> bytes:
-        """The next `size` bytes."""
-        while len(self.buffer) < size:
-            self._fill()
-        return self._take(size)
-
-    def to_end(self) -> bytes:
-        """Every byte until the host closes the connection."""
-        while True:
-            try:
-                self._fill()
-            except _Ended:
-                return self._take(len(self.buffer))
-
-    def read_response(self) -> tuple[int, bytes, bool]:
-        """One whole response: its status, body, and whether the connection
-        must close after it."""
-        self.got = bool(self.buffer)
-        steps = response_steps()
-        step = next(steps)
+    def usable(self) -> bool:
+        """Whether an idle connection can carry another request: the host
+        has neither closed it nor sent anything since its last response."""
+        if not self.reader.usable:
+            return False
+        self.sock.settimeout(0.0)
         try:
-            while True:
-                if isinstance(step, bytes):
-                    data = self.until(step)
-                elif step is None:
-                    data = self.to_end()
-                else:
-                    data = self.exactly(step)
-                step = steps.send(data)
-        except StopIteration as stop:
-            status, body, will_close = stop.value
-        # Bytes past the response were never asked for: the connection is out
-        # of step with its requests, so it is not used again.
-        return status, body, will_close or bool(self.buffer)
+            self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True  # nothing to read: as it should be
+        except OSError:
+            return False
+        return False  # an end (b"") or bytes nobody asked for
+
+    def exchange(self, data: bytes) -> tuple[int, bytes, bool]:
+        """Send a request, read its whole response: its status, body, and
+        whether the connection must close after it."""
+        self.reader.expect()
+        self.arm()
+        self.sock.sendall(data)
+        while True:
+            response = self.reader.next_response()
+            if response is not None:
+                return response
+            self.arm()
+            self.reader.feed(self.sock.recv(RECV_BYTES))
 
     def close(self) -> None:
         self.sock.close()
@@ -199,7 +153,7 @@ class UnixTransport:
         connection = _Connection(sock)
         connection.deadline = deadline
         try:
-            connection._arm()
+            connection.arm()
             sock.connect(self._socket_path)
         except OSError as exc:  # TimeoutError is an OSError
             sock.close()
@@ -207,6 +161,9 @@ class UnixTransport:
                 f"cannot connect to {self._socket_path}: {_describe(exc)}",
                 request_sent=sent_before,
             ) from exc
+        except BaseException:
+            sock.close()
+            raise
         return connection
 
     def _exchange(
@@ -216,15 +173,14 @@ class UnixTransport:
         connection.used = True
         connection.deadline = deadline
         try:
-            connection.send(data)
-            status, body, will_close = connection.read_response()
-        except (OSError, BadResponse, _Ended) as exc:
+            status, body, will_close = connection.exchange(data)
+        except (OSError, BadResponse, ConnectionEnded) as exc:
             connection.close()
             failure = TransportFailure(
                 f"{request.method} {request.path} on {self._socket_path}: {_describe(exc)}",
                 request_sent=True,
             )
-            if reused and _nothing_read(exc):
+            if reused and not connection.reader.got_any and _closed(exc):
                 # The host closed the kept-alive connection while it sat idle.
                 raise _Stale(failure) from exc
             raise failure from exc
@@ -247,7 +203,12 @@ class UnixTransport:
                 # parent's copies stay open in the parent.
                 self._idle = []
                 self._pid = os.getpid()
-            return self._idle.pop() if self._idle else None
+            while self._idle:
+                connection = self._idle.pop()
+                if connection.usable():
+                    return connection
+                connection.close()  # the host closed it, or it is out of step
+            return None
 
     def _checkin(self, connection: _Connection) -> None:
         with self._lock:
@@ -265,14 +226,15 @@ class _Stale(Exception):
         self.failure = failure
 
 
-def _nothing_read(exc: BaseException) -> bool:
-    if isinstance(exc, _Ended):
+def _closed(exc: BaseException) -> bool:
+    """Whether `exc` is the host's close of the connection."""
+    if isinstance(exc, ConnectionEnded):
         return exc.nothing_read
-    return isinstance(exc, ConnectionResetError | BrokenPipeError | ConnectionAbortedError)
+    return isinstance(exc, _CLOSED_ERRORS)
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, _Ended):
+    if isinstance(exc, ConnectionEnded):
         return str(exc)
     text = str(exc)
     name = type(exc).__name__

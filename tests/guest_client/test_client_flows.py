@@ -125,9 +125,22 @@ def test_a_retry_policy_is_frozen_and_checks_its_bounds() -> None:
     policy = RetryPolicy()
     with pytest.raises(AttributeError):
         policy.attempts = 9  # type: ignore[misc]
-    for bad in ({"attempts": 0}, {"backoff_base": 0}, {"backoff_max": 0.01}, {"deadline": -1}):
+    for bad in (
+        {"attempts": 0},
+        {"backoff_base": 0},
+        {"backoff_max": 0.01},
+        {"deadline": -1},
+        {"deadline": float("inf")},
+        {"deadline": float("nan")},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RetryPolicy(**bad)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan")])
+def test_an_operation_timeout_must_be_a_finite_number_of_seconds(timeout: float) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        Budget(RetryPolicy(), FakeClock(), timeout=timeout)
 
 
 def test_a_transport_failure_resends_the_same_request_after_a_backoff() -> None:
