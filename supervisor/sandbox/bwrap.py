@@ -30,6 +30,7 @@ import functools
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -218,16 +219,16 @@ class SandboxHost:
         """
         check_writable(policy, trusted, state_dir)
         check_links(policy, self.account.uid if self.root else None)
-        # Each writable folder is mounted from the descriptor its walk opened,
-        # not by name: a folder swapped on the way since cannot redirect it.
+        # Each plan path is mounted from the descriptor its walk opened, not
+        # by name: a folder swapped on the way since cannot redirect it.
         held: dict[Path, tuple[int, Path]] = {}
         try:
             for path in policy.writable:
                 if path not in held:
                     held[path] = self._prepare_writable(path)
             for path in policy.read_only:
-                if not os.path.lexists(path):
-                    raise SandboxError(f"[sandbox] read_only path {path} does not exist")
+                if path not in held:
+                    held[path] = _open_read_only(path)
             layout = Layout(self.account, builder_is_root=self.root, tmpfs_size=tmpfs_size)
             layout.base()
             needed = command_paths(argv, env, cwd)
@@ -256,7 +257,7 @@ class SandboxHost:
                 workdir = "fresh"
                 _warn_of_hidden_arguments(argv, cwd, layout)
             for path in policy.read_only:
-                layout.bind(path, writable=False)
+                layout.bind(path, writable=False, held=held[path])
             for path in policy.read_write:
                 layout.bind(path, writable=True, held=held[path])
             inside_socket = layout.socket(socket)
@@ -337,13 +338,39 @@ class SandboxHost:
         return not any(cwd in point.parents for point in mount_points())
 
 
-def _walk_folders(real: Path, owner: tuple[int, int] | None) -> tuple[int, os.stat_result, bool]:
+def _open_read_only(path: Path) -> tuple[int, Path]:
+    """An ``O_PATH`` descriptor of a ``read_only`` path (a folder or a file)
+    and its real path, walked as :func:`_walk_folders` walks: one step at a
+    time from ``/``, never through a symlink, making nothing."""
+    real = Path(os.path.realpath(path))
+    if not os.path.lexists(path) or not os.path.lexists(real):
+        raise SandboxError(f"[sandbox] read_only path {path} does not exist")
+    try:
+        fd, st, _ = _walk_folders(real, None, make=False)
+    except OSError as exc:
+        raise SandboxError(
+            f"[sandbox] read_only path {path} cannot be opened: {exc.strerror} at "
+            f"{exc.filename or real} (a symlink that appeared on the way is refused)"
+        ) from None
+    if stat.S_ISLNK(st.st_mode):
+        os.close(fd)
+        raise SandboxError(
+            f"[sandbox] read_only path {path} became a symlink after it was checked: refused"
+        )
+    return fd, real
+
+
+def _walk_folders(
+    real: Path, owner: tuple[int, int] | None, *, make: bool = True
+) -> tuple[int, os.stat_result, bool]:
     """Walk to the folder ``real`` (an absolute path without symlinks), making
     what is missing of it: each step relative to the folder before, never
     through a symlink (``O_NOFOLLOW``), by ``O_PATH`` (search permission is
     enough). The last folder, if made here, is given to ``owner``. Returns
     its ``O_PATH`` descriptor (the caller closes it), its status and
-    whether it was made here.
+    whether it was made here. With ``make`` False nothing is made, and the
+    last step may be a file (or a symlink, which the caller refuses: its
+    status says so).
 
     Raises:
         OSError: a step is a symlink (``ELOOP``) or not a folder, or cannot be made.
@@ -354,14 +381,17 @@ def _walk_folders(real: Path, owner: tuple[int, int] | None) -> tuple[int, os.st
     try:
         parts = real.parts[1:]
         for i, name in enumerate(parts):
+            last = i == len(parts) - 1
             made = False
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, 0o755, dir_fd=fd)
-                made = True
-            if made and owner is not None and i == len(parts) - 1:
+            if make:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                    made = True
+            if made and owner is not None and last:
                 os.chown(name, *owner, dir_fd=fd, follow_symlinks=False)
+            step = flags & ~os.O_DIRECTORY if last and not make else flags
             try:
-                inner = os.open(name, flags, dir_fd=fd)
+                inner = os.open(name, step, dir_fd=fd)
             except OSError as exc:
                 exc.filename = str(Path("/", *parts[: i + 1]))
                 raise

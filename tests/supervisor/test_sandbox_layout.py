@@ -13,6 +13,7 @@ import os
 import shutil
 import site
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -315,3 +316,83 @@ async def test_a_folder_swapped_after_the_checks_does_not_redirect_the_mount(
         assert not (decoy / "out" / "file").exists()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+async def test_a_read_only_path_swapped_after_the_checks_still_shows_what_was_checked(
+    tmp_path: Path, kind: str
+) -> None:
+    """The same swap for a ``read_only`` path inside a writable one: it was
+    mounted by name, so the next guest read the decoy; it now mounts the
+    descriptor of a walk that never follows a symlink."""
+    from supervisor.process import wait_exited
+    from supervisor.sandbox.bwrap import SandboxHost
+    from supervisor.sandbox.start import launch_sandboxed
+
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="hostcall-swap-"))
+    try:
+        base.chmod(0o755)
+        ws, decoy = base / "ws", base / "decoy"
+        for root, text in ((ws / "a", "checked\n"), (decoy, "decoy\n")):
+            (root / "src").mkdir(parents=True)
+            (root / "src" / "which").write_text(text)
+            (root / "which").write_text(text)
+            for path in (root, root / "src", root / "src" / "which", root / "which"):
+                path.chmod(0o755 if path.is_dir() else 0o644)
+        listening = socket.socket(socket.AF_UNIX)
+        listening.bind(str(tmp_path / "channel.sock"))
+        shown = ws / "a" / "src" if kind == "folder" else ws / "a" / "which"
+        read = shown / "which" if kind == "folder" else shown
+        seen = tmp_path / "seen"
+        with seen.open("wb") as output:
+            launch = SandboxHost.probe().build(
+                SandboxPolicy(read_only=(shown,)),
+                argv=["/bin/cat", str(read)],
+                env={"PATH": "/usr/bin:/bin"},
+                cwd=Path("/"),
+                state_dir=tmp_path,
+                socket=tmp_path / "channel.sock",
+            )
+            (ws / "a").rename(ws / "a-was")
+            (ws / "a").symlink_to(decoy)
+            process, sandboxed = await launch_sandboxed(
+                launch, credential="x" * 43, stdout=output
+            )
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                assert await wait_exited(process) == 0
+            sandboxed.close()
+        listening.close()
+        assert seen.read_text() == "checked\n"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_read_only_path_is_opened_by_a_walk_that_follows_no_symlink(tmp_path: Path) -> None:
+    from supervisor.sandbox.bwrap import _open_read_only, _walk_folders
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "file").write_text("x")
+    (tmp_path / "swapped").symlink_to(tmp_path / "real")
+    # The walk itself: a link at the end is opened as a link (refused by its
+    # caller), a link on the way fails, and nothing is made.
+    fd, st, made = _walk_folders(tmp_path / "swapped", None, make=False)
+    os.close(fd)
+    assert stat.S_ISLNK(st.st_mode) and not made
+    with pytest.raises(OSError, match=r"Not a directory|Too many levels of symbolic links"):
+        _walk_folders(tmp_path / "swapped" / "file", None, make=False)
+    with pytest.raises(FileNotFoundError):
+        _walk_folders(tmp_path / "real" / "new", None, make=False)
+    fd, st, _ = _walk_folders(tmp_path / "real" / "file", None, make=False)
+    os.close(fd)
+    assert stat.S_ISREG(st.st_mode)
+    fd, real = _open_read_only(tmp_path / "real")
+    os.close(fd)
+    assert real == tmp_path / "real"
+    # Through a link that was there all along: the real path is walked.
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    fd, real = _open_read_only(tmp_path / "link")
+    os.close(fd)
+    assert real == tmp_path / "real"
+    with pytest.raises(SandboxError, match="does not exist"):
+        _open_read_only(tmp_path / "missing")
+
