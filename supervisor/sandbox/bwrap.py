@@ -218,17 +218,17 @@ class SandboxHost:
                 or not writable by the guest's uid.
         """
         check_writable(policy, trusted, state_dir)
-        check_links(policy, self.account.uid if self.root else None)
+        vetted = check_links(policy, self.account.uid if self.root else None)
         # Each plan path is mounted from the descriptor its walk opened, not
         # by name: a folder swapped on the way since cannot redirect it.
         held: dict[Path, tuple[int, Path]] = {}
         try:
             for path in policy.writable:
                 if path not in held:
-                    held[path] = self._prepare_writable(path)
+                    held[path] = self._prepare_writable(path, vetted[path])
             for path in policy.read_only:
                 if path not in held:
-                    held[path] = _open_read_only(path)
+                    held[path] = _open_read_only(path, vetted[path])
             layout = Layout(self.account, builder_is_root=self.root, tmpfs_size=tmpfs_size)
             layout.base()
             needed = command_paths(argv, env, cwd)
@@ -293,7 +293,7 @@ class SandboxHost:
                 os.close(fd)
             raise
 
-    def _prepare_writable(self, path: Path) -> tuple[int, Path]:
+    def _prepare_writable(self, path: Path, real: Path) -> tuple[int, Path]:
         """Make a missing writable folder (as root: the guest's), or check that
         the guest's uid may write an existing one; returns an ``O_PATH``
         descriptor of it and the real path walked, which the sandbox mounts
@@ -304,7 +304,6 @@ class SandboxHost:
         running could otherwise swap a folder on the way for a link between
         that check and this, and have, say, ``/var/log`` given to its uid.
         """
-        real = Path(os.path.realpath(path))
         owner = (self.account.uid, self.account.gid) if self.root else None
         try:
             fd, st, made = _walk_folders(real, owner)
@@ -338,11 +337,11 @@ class SandboxHost:
         return not any(cwd in point.parents for point in mount_points())
 
 
-def _open_read_only(path: Path) -> tuple[int, Path]:
+def _open_read_only(path: Path, real: Path) -> tuple[int, Path]:
     """An ``O_PATH`` descriptor of a ``read_only`` path (a folder or a file)
-    and its real path, walked as :func:`_walk_folders` walks: one step at a
-    time from ``/``, never through a symlink, making nothing."""
-    real = Path(os.path.realpath(path))
+    by ``real``, its real path as :func:`check_links` vetted it, walked as
+    :func:`_walk_folders` walks: one step at a time from ``/``, never through
+    a symlink, making nothing."""
     if not os.path.lexists(path) or not os.path.lexists(real):
         raise SandboxError(f"[sandbox] read_only path {path} does not exist")
     try:

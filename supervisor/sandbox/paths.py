@@ -33,6 +33,7 @@ __all__ = [
     "is_within",
     "mount_points",
     "reachable",
+    "resolve",
     "symlinks_on_the_way",
 ]
 
@@ -115,6 +116,14 @@ def symlinks_on_the_way(path: Path) -> list[Path]:
     """Every symlink met resolving ``path`` (absolute), in order, each named by
     its real place (its folder resolved): the links in its folders, the links
     those lead through, and ``path`` itself if it is one."""
+    return resolve(path)[1]
+
+
+def resolve(path: Path) -> tuple[Path, list[Path]]:
+    """``path`` (absolute) resolved as the kernel would, a missing rest taken
+    as it is: its real path, and the symlinks met on the way
+    (:func:`symlinks_on_the_way`). After a loop of links, the real path is
+    where the resolving stopped."""
     found: list[Path] = []
     current = Path("/")
     todo = list(path.parts[1:])
@@ -137,7 +146,7 @@ def symlinks_on_the_way(path: Path) -> list[Path]:
         if os.path.isabs(target):
             current = Path("/")
         todo = [*Path(target).parts[1 if os.path.isabs(target) else 0 :], *todo]
-    return found
+    return current, found
 
 
 def _shebang(path: Path) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from supervisor.errors import HostcallError
-from supervisor.sandbox.paths import is_within, symlinks_on_the_way
+from supervisor.sandbox.paths import is_within, resolve
 
 __all__ = [
     "Network",
@@ -184,8 +184,9 @@ def check_writable(policy: SandboxPolicy, trusted: Iterable[Path], state_dir: Pa
                 )
 
 
-def check_links(policy: SandboxPolicy, guest_uid: int | None) -> None:
-    """Refuse a plan path reached through a symlink a guest could have made.
+def check_links(policy: SandboxPolicy, guest_uid: int | None) -> dict[Path, Path]:
+    """Refuse a plan path reached through a symlink a guest could have made;
+    returns each plan path's real path as checked.
 
     A guest may leave a symlink in what it may write. Were a plan path's way
     through it, the guest would choose what a later guest gets mounted there
@@ -196,12 +197,18 @@ def check_links(policy: SandboxPolicy, guest_uid: int | None) -> None:
     share its uid, so such a link made through another plan is not told from
     the user's own (docs/security.md, Not defended).
 
+    The real paths are what the launch then walks and mounts, never through
+    a symlink: a link a guest swaps in after this check fails that walk,
+    where resolving the name again would follow it.
+
     Raises:
         SandboxError: with a one-line reason naming the path and the link.
     """
     writable = [Path(os.path.realpath(p)) for p in policy.writable]
+    vetted: dict[Path, Path] = {}
     for path in (*policy.read_only, *policy.writable):
-        for link in symlinks_on_the_way(path):
+        vetted[path], links = resolve(path)
+        for link in links:
             inside = next((w for w in writable if is_within(link, w)), None)
             if inside is not None:
                 raise SandboxError(
@@ -213,6 +220,7 @@ def check_links(policy: SandboxPolicy, guest_uid: int | None) -> None:
                     f"[sandbox] {path} is reached through the symlink {link}, which a guest "
                     f"made (uid {guest_uid}): name the real path"
                 )
+    return vetted
 
 
 def _owner(path: Path) -> int | None:

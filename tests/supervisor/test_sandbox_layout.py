@@ -355,9 +355,7 @@ async def test_a_read_only_path_swapped_after_the_checks_still_shows_what_was_ch
             )
             (ws / "a").rename(ws / "a-was")
             (ws / "a").symlink_to(decoy)
-            process, sandboxed = await launch_sandboxed(
-                launch, credential="x" * 43, stdout=output
-            )
+            process, sandboxed = await launch_sandboxed(launch, credential="x" * 43, stdout=output)
             async with asyncio.timeout(STEP_TIMEOUT_S):
                 assert await wait_exited(process) == 0
             sandboxed.close()
@@ -385,14 +383,52 @@ def test_a_read_only_path_is_opened_by_a_walk_that_follows_no_symlink(tmp_path: 
     fd, st, _ = _walk_folders(tmp_path / "real" / "file", None, make=False)
     os.close(fd)
     assert stat.S_ISREG(st.st_mode)
-    fd, real = _open_read_only(tmp_path / "real")
+    fd, real = _open_read_only(tmp_path / "swapped", tmp_path / "real")
     os.close(fd)
     assert real == tmp_path / "real"
-    # Through a link that was there all along: the real path is walked.
-    (tmp_path / "link").symlink_to(tmp_path / "real")
-    fd, real = _open_read_only(tmp_path / "link")
-    os.close(fd)
-    assert real == tmp_path / "real"
+    with pytest.raises(SandboxError, match="became a symlink"):
+        _open_read_only(tmp_path / "swapped", tmp_path / "swapped")
     with pytest.raises(SandboxError, match="does not exist"):
-        _open_read_only(tmp_path / "missing")
+        _open_read_only(tmp_path / "missing", tmp_path / "missing")
 
+
+@pytest.mark.parametrize("kind", ["read_only", "read_write"])
+def test_a_link_swapped_in_right_after_the_symlink_check_fails_the_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The narrowest window: a guest swaps a folder on the way for a link
+    just after the check that refuses such links. The launch walks the real
+    path that check vetted, never resolving the name again, so the swap
+    fails it instead of choosing what is mounted (or, as root, made and
+    given to the guest)."""
+    from supervisor.sandbox import bwrap
+
+    ws, decoy = tmp_path / "ws", tmp_path / "decoy"
+    (ws / "a" / "src").mkdir(parents=True)
+    (decoy / "src").mkdir(parents=True)
+    if os.geteuid() == 0:  # both the guests' to write: only the swap may refuse
+        for folder in (ws / "a" / "src", decoy / "src"):
+            os.chown(folder, NOBODY.uid, NOBODY.gid)
+    real_check = bwrap.check_links
+
+    def check_then_swap(policy: SandboxPolicy, guest_uid: int | None) -> dict[Path, Path]:
+        vetted = real_check(policy, guest_uid)
+        (ws / "a").rename(ws / "a-was")
+        (ws / "a").symlink_to(decoy)
+        return vetted
+
+    monkeypatch.setattr(bwrap, "check_links", check_then_swap)
+    path = ws / "a" / "src"
+    policy = SandboxPolicy(**{kind: (path,)})  # type: ignore[arg-type]
+    (tmp_path / "channel.sock").touch()
+
+    with pytest.raises(SandboxError, match="symlink"):
+        bwrap.SandboxHost.probe().build(
+            policy,
+            argv=["/bin/true"],
+            env={"PATH": "/usr/bin:/bin"},
+            cwd=Path("/"),
+            state_dir=tmp_path / "state",
+            socket=tmp_path / "channel.sock",
+        )
+    assert list((decoy / "src").iterdir()) == []
