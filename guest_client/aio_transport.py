@@ -45,6 +45,11 @@ class _Connection(asyncio.Protocol):
             self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if not self.reader.expecting:
+            # Bytes nobody asked for: the connection is out of step and is
+            # never used again, and they must not pile up while it sits idle.
+            self.abort()
+            return
         self.reader.feed(data)
         self._wake()
 

@@ -179,6 +179,11 @@ class ResponseReader:
         return self._steps is None and not self._buffer and not self._ended
 
     @property
+    def expecting(self) -> bool:
+        """Whether a response is expected (between `expect` and its end)."""
+        return self._steps is not None
+
+    @property
     def got_any(self) -> bool:
         """Whether any byte of the expected response has arrived."""
         return self._got
@@ -223,6 +228,11 @@ class ResponseReader:
                 self._steps = None
                 status, body, will_close = stop.value
                 return status, body, will_close or bool(self._buffer)
+            except BadResponse:
+                # Nothing after a bad response can be trusted to start a new one.
+                self._steps = None
+                self._ended = True
+                raise
 
     def _take(self, step: Step) -> bytes | None:
         buffer = self._buffer
@@ -272,6 +282,9 @@ def _response_steps() -> ResponseSteps:
         body = b""
     elif codings == ["chunked"]:
         body = yield from _chunked_steps()
+        # A length beside the chunks: a sender that may be out of step
+        # (RFC 9112 section 6.3): this connection carries nothing more.
+        will_close = will_close or "content-length" in headers
     elif codings:
         raise BadResponse(f"unsupported transfer-encoding {headers['transfer-encoding']!r}")
     elif "content-length" in headers:

@@ -75,13 +75,44 @@ class _Connection:
         whether the connection must close after it."""
         self.reader.expect()
         self.arm()
-        self.sock.sendall(data)
+        try:
+            self.sock.sendall(data)
+        except OSError:
+            # The host may have answered and closed before reading all of it
+            # (a refusal of a large request): its answer is the outcome, not
+            # the failed send.
+            response = self._answer_already_here()
+            if response is None:
+                raise
+            return response
         while True:
             response = self.reader.next_response()
             if response is not None:
                 return response
             self.arm()
             self.reader.feed(self.sock.recv(RECV_BYTES))
+
+    def _answer_already_here(self) -> tuple[int, bytes, bool] | None:
+        """A whole response that arrived before the send failed, if any (the
+        connection then closes); what arrived is fed either way, so the
+        reader knows whether anything of the answer came."""
+        self.sock.settimeout(0.0)
+        try:
+            while True:
+                data = self.sock.recv(RECV_BYTES)
+                self.reader.feed(data)
+                if not data:
+                    break
+        except OSError:  # nothing more waiting (BlockingIOError), or a reset
+            pass
+        try:
+            response = self.reader.next_response()
+        except (BadResponse, ConnectionEnded):
+            return None
+        if response is None:
+            return None
+        status, body, _ = response
+        return status, body, True
 
     def close(self) -> None:
         self.sock.close()

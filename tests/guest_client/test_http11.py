@@ -296,3 +296,71 @@ def test_a_sync_read_ends_by_its_deadline_however_slowly_the_bytes_come() -> Non
 
         with pytest.raises(TimeoutError):
             connection.exchange(b"GET / HTTP/1.1\r\n\r\n")
+
+
+def test_an_answer_that_came_before_a_failed_send_is_the_outcome() -> None:
+    """A host may refuse a large request after its head and close unread:
+    the send then fails, but the answer is already there to read."""
+    ours, theirs = socket.socketpair()
+    with ours:
+        theirs.sendall(b"HTTP/1.1 503 Busy\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+        theirs.close()
+        connection = SyncConnection(ours)
+        connection.deadline = time.monotonic() + STEP_TIMEOUT_S
+
+        answer = connection.exchange(b"POST / HTTP/1.1\r\n\r\n" + b"x" * (4 << 20))
+
+    assert answer == (503, b"{}", True)
+
+
+def test_a_send_that_fails_with_no_answer_waiting_still_fails() -> None:
+    ours, theirs = socket.socketpair()
+    with ours:
+        theirs.close()
+        connection = SyncConnection(ours)
+        connection.deadline = time.monotonic() + STEP_TIMEOUT_S
+
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            connection.exchange(b"POST / HTTP/1.1\r\n\r\n" + b"x" * (4 << 20))
+        assert not connection.reader.got_any
+
+
+async def test_an_async_connection_the_host_writes_to_while_idle_is_dropped() -> None:
+    ours, theirs = socket.socketpair()
+    with theirs:
+        theirs.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        loop = asyncio.get_running_loop()
+        transport, connection = await loop.create_unix_connection(AsyncConnection, sock=ours)
+        try:
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                assert await connection.exchange(b"GET / HTTP/1.1\r\n\r\n") == (200, b"{}", False)
+                assert connection.usable
+                theirs.sendall(b"y" * 65536)  # nobody asked: never buffered
+                await connection.closed
+            assert not connection.usable
+        finally:
+            transport.abort()
+
+
+def test_a_reader_is_done_after_a_bad_response() -> None:
+    reader = ResponseReader()
+    reader.expect()
+    reader.feed(b"SPDY/3 200 OK\r\n\r\n")
+    with pytest.raises(BadResponse):
+        reader.next_response()
+
+    reader.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+    assert not reader.usable
+    with pytest.raises(RuntimeError, match="no response is expected"):
+        reader.next_response()
+
+
+@pytest.mark.parametrize("read", READERS)
+async def test_chunks_with_a_length_beside_them_close_the_connection_after(read: Read) -> None:
+    answer = await read(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\n\r\n"
+        b"2\r\n{}\r\n0\r\n\r\n"
+    )
+
+    assert answer == (200, b"{}", True)
