@@ -123,7 +123,7 @@ def resolve(path: Path) -> tuple[Path, list[Path]]:
     """``path`` (absolute) resolved as the kernel would, a missing rest taken
     as it is: its real path, and the symlinks met on the way
     (:func:`symlinks_on_the_way`). After a loop of links, the real path is
-    where the resolving stopped."""
+    the link where the resolving stopped: a symlink, never a folder before it."""
     found: list[Path] = []
     current = Path("/")
     todo = list(path.parts[1:])
@@ -142,7 +142,9 @@ def resolve(path: Path) -> tuple[Path, list[Path]]:
             continue
         found.append(candidate)
         if len(found) > _MAX_HOPS:
-            break  # a loop: the kernel would refuse it (ELOOP)
+            # A loop: the kernel would refuse it (ELOOP). The link is the
+            # "real path", so that a walk to it fails as the kernel would.
+            return candidate, found
         if os.path.isabs(target):
             current = Path("/")
         todo = [*Path(target).parts[1 if os.path.isabs(target) else 0 :], *todo]

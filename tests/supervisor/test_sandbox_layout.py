@@ -24,7 +24,13 @@ import pytest
 from supervisor.errors import PlanError
 from supervisor.plan import Plan
 from supervisor.sandbox.layout import GUEST_SOCKET, GUEST_WORKDIR, Layout
-from supervisor.sandbox.paths import Account, command_paths, reachable, symlinks_on_the_way
+from supervisor.sandbox.paths import (
+    Account,
+    command_paths,
+    reachable,
+    resolve,
+    symlinks_on_the_way,
+)
 from supervisor.sandbox.policy import (
     SandboxError,
     SandboxPolicy,
@@ -130,7 +136,10 @@ def test_every_symlink_on_the_way_to_a_path_is_found_at_its_real_place(tmp_path:
     path = tmp_path / "hop" / "up" / ".." / "deep" / "missing"
     assert symlinks_on_the_way(path) == [tmp_path / "hop", real / "up", tmp_path / "hop"]
     assert symlinks_on_the_way(real / "deep") == []
+    assert resolve(path)[0] == real / "deep" / "missing" == Path(os.path.realpath(path))
     assert len(symlinks_on_the_way(tmp_path / "loop" / "x")) == 41  # bounded
+    stopped, _ = resolve(tmp_path / "loop" / "x")
+    assert stopped.is_symlink()  # a walk to it fails; no folder before it stands in
 
 
 def test_a_plan_path_through_a_link_a_guest_could_have_made_is_refused(tmp_path: Path) -> None:
