@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import asyncio
 
-from guest_client.http11 import BadResponse, ConnectionEnded, RequestEncoder, ResponseReader
+from guest_client.http11 import (
+    BadResponse,
+    ConnectionEnded,
+    RequestEncoder,
+    ResponseReader,
+    StaleConnection,
+    describe_error,
+)
 from guest_client.wire import Response, TransportFailure
 
 TYPE_CHECKING = False
@@ -161,7 +168,7 @@ class AsyncUnixTransport:
         if connection is not None:
             try:
                 return await self._exchange(connection, request, data, deadline)
-            except _Stale:
+            except StaleConnection:
                 sent_before = True
         # A new connection is never stale: `_exchange` raises a plain failure.
         return await self._exchange(
@@ -188,7 +195,7 @@ class AsyncUnixTransport:
                 _, connection = await loop.create_unix_connection(_Connection, self._socket_path)
         except OSError as exc:  # TimeoutError is an OSError
             raise TransportFailure(
-                f"cannot connect to {self._socket_path}: {_describe(exc)}",
+                f"cannot connect to {self._socket_path}: {describe_error(exc)}",
                 request_sent=sent_before,
             ) from exc
         return connection
@@ -205,14 +212,13 @@ class AsyncUnixTransport:
                 answered = True
         except (OSError, BadResponse, ConnectionEnded) as exc:  # TimeoutError is an OSError
             connection.abort()
-            failure = TransportFailure(
-                f"{request.method} {request.path} on {self._socket_path}: {_describe(exc)}",
-                request_sent=True,
-            )
             if reused and isinstance(exc, ConnectionEnded) and exc.nothing_read:
                 # The host closed the kept-alive connection while it sat idle.
-                raise _Stale(failure) from exc
-            raise failure from exc
+                raise StaleConnection from exc
+            raise TransportFailure(
+                f"{request.method} {request.path} on {self._socket_path}: {describe_error(exc)}",
+                request_sent=True,
+            ) from exc
         finally:
             if not answered:
                 # Cancelled or failed mid-request: the stream's state is unknown.
@@ -236,21 +242,3 @@ class AsyncUnixTransport:
             self._idle.append(connection)
         else:
             connection.close()
-
-
-class _Stale(Exception):
-    """A reused connection failed before the answer began; retry on a new one."""
-
-    def __init__(self, failure: TransportFailure) -> None:
-        super().__init__(str(failure))
-        self.failure = failure
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, ConnectionEnded):
-        return str(exc)
-    if isinstance(exc, TimeoutError) and not str(exc):
-        return "TimeoutError: timed out"  # As the sync transport words it.
-    text = str(exc)
-    name = type(exc).__name__
-    return f"{name}: {text}" if text else name

@@ -29,6 +29,8 @@ __all__ = [
     "ConnectionEnded",
     "RequestEncoder",
     "ResponseReader",
+    "StaleConnection",
+    "describe_error",
     "encode_request",
     "parse_head",
 ]
@@ -147,6 +149,24 @@ class ConnectionEnded(Exception):
         #: connection that is the host having closed it while it sat idle:
         #: the request can be sent again on a new one.
         self.nothing_read = nothing_read
+
+
+class StaleConnection(Exception):
+    """A reused kept-alive connection failed before any byte of its answer
+    came: the host had closed it while it sat idle. Raised and caught inside
+    a transport, which sends the request once more on a new connection."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """How a transport names what broke an exchange: the exception's type and
+    message (from the OS or this package, never a header)."""
+    text = str(exc)
+    if isinstance(exc, ConnectionEnded):
+        return text
+    if isinstance(exc, TimeoutError) and not text:
+        text = "timed out"  # asyncio's timeouts say nothing; sockets say this
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
 
 
 class ResponseReader:

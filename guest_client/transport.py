@@ -13,7 +13,14 @@ import os
 import socket
 import time
 
-from guest_client.http11 import BadResponse, ConnectionEnded, RequestEncoder, ResponseReader
+from guest_client.http11 import (
+    BadResponse,
+    ConnectionEnded,
+    RequestEncoder,
+    ResponseReader,
+    StaleConnection,
+    describe_error,
+)
 from guest_client.wire import Response, TransportFailure
 
 TYPE_CHECKING = False
@@ -164,7 +171,7 @@ class UnixTransport:
         if connection is not None:
             try:
                 return self._exchange(connection, request, data, deadline)
-            except _Stale:
+            except StaleConnection:
                 # It may have reached the host before the close: say so if
                 # the second try fails before sending anything.
                 sent_before = True
@@ -189,7 +196,7 @@ class UnixTransport:
         except OSError as exc:  # TimeoutError is an OSError
             sock.close()
             raise TransportFailure(
-                f"cannot connect to {self._socket_path}: {_describe(exc)}",
+                f"cannot connect to {self._socket_path}: {describe_error(exc)}",
                 request_sent=sent_before,
             ) from exc
         except BaseException:
@@ -207,14 +214,13 @@ class UnixTransport:
             status, body, will_close = connection.exchange(data)
         except (OSError, BadResponse, ConnectionEnded) as exc:
             connection.close()
-            failure = TransportFailure(
-                f"{request.method} {request.path} on {self._socket_path}: {_describe(exc)}",
-                request_sent=True,
-            )
             if reused and not connection.reader.got_any and _closed(exc):
                 # The host closed the kept-alive connection while it sat idle.
-                raise _Stale(failure) from exc
-            raise failure from exc
+                raise StaleConnection from exc
+            raise TransportFailure(
+                f"{request.method} {request.path} on {self._socket_path}: {describe_error(exc)}",
+                request_sent=True,
+            ) from exc
         except BaseException:
             # Interrupted mid-request (KeyboardInterrupt): the stream's state is unknown.
             connection.close()
@@ -249,24 +255,8 @@ class UnixTransport:
         connection.close()
 
 
-class _Stale(Exception):
-    """A reused connection failed before the answer began; retry on a new one."""
-
-    def __init__(self, failure: TransportFailure) -> None:
-        super().__init__(str(failure))
-        self.failure = failure
-
-
 def _closed(exc: BaseException) -> bool:
     """Whether `exc` is the host's close of the connection."""
     if isinstance(exc, ConnectionEnded):
         return exc.nothing_read
     return isinstance(exc, _CLOSED_ERRORS)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, ConnectionEnded):
-        return str(exc)
-    text = str(exc)
-    name = type(exc).__name__
-    return f"{name}: {text}" if text else name

@@ -30,7 +30,7 @@ import resource
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Final
 
 #: Calls before the first round, per client: connections open, code warm.
@@ -87,58 +87,60 @@ class RawClient:
         return data
 
 
-def _measure(name: str, call: Callable[[int], Any], duration_s: float) -> dict[str, Any]:
-    latencies: list[int] = []
-    cpu_start = _cpu_s()
-    start = time.monotonic()
-    end = start + duration_s
-    n = 0
-    while time.monotonic() < end:
-        n += 1
-        began = time.perf_counter_ns()
-        result = call(n)
-        latencies.append(time.perf_counter_ns() - began)
+class _Window:
+    """One client's measured window: its calls' latencies and the CPU spent."""
+
+    def __init__(self, name: str, duration_s: float) -> None:
+        self.name = name
+        self.latencies: list[int] = []
+        self.cpu_start = _cpu_s()
+        self.start = time.monotonic()
+        self.end = self.start + duration_s
+
+    def calls(self) -> Iterator[int]:
+        """Call numbers until the window closes."""
+        n = 0
+        while time.monotonic() < self.end:
+            n += 1
+            yield n
+
+    def record(self, n: int, began_ns: int, result: Any) -> None:
+        self.latencies.append(time.perf_counter_ns() - began_ns)
         if result != n:
-            raise AssertionError(f"{name}: noop({n}) answered {result!r}")
-    finished = time.monotonic()
-    cpu = _cpu_s() - cpu_start
-    return _point(name, latencies, cpu, start, finished)
+            raise AssertionError(f"{self.name}: noop({n}) answered {result!r}")
+
+    def point(self) -> dict[str, Any]:
+        finished = time.monotonic()
+        cpu_s = _cpu_s() - self.cpu_start
+        latencies = sorted(self.latencies)
+        calls = len(latencies)
+        return {
+            "client": self.name,
+            "calls": calls,
+            "calls_per_s": round(calls / (finished - self.start), 1),
+            "p50_us": round(latencies[calls // 2] / 1000, 1),
+            "p99_us": round(latencies[min(calls - 1, calls * 99 // 100)] / 1000, 1),
+            "client_cpu_us_per_call": round(cpu_s * 1e6 / calls, 1),
+            "window_monotonic": [self.start, finished],
+        }
+
+
+def _measure(name: str, call: Callable[[int], Any], duration_s: float) -> dict[str, Any]:
+    window = _Window(name, duration_s)
+    for n in window.calls():
+        began = time.perf_counter_ns()
+        window.record(n, began, call(n))
+    return window.point()
 
 
 async def _measure_async(
     name: str, call: Callable[[int], Awaitable[Any]], duration_s: float
 ) -> dict[str, Any]:
-    latencies: list[int] = []
-    cpu_start = _cpu_s()
-    start = time.monotonic()
-    end = start + duration_s
-    n = 0
-    while time.monotonic() < end:
-        n += 1
+    window = _Window(name, duration_s)
+    for n in window.calls():
         began = time.perf_counter_ns()
-        result = await call(n)
-        latencies.append(time.perf_counter_ns() - began)
-        if result != n:
-            raise AssertionError(f"{name}: noop({n}) answered {result!r}")
-    finished = time.monotonic()
-    cpu = _cpu_s() - cpu_start
-    return _point(name, latencies, cpu, start, finished)
-
-
-def _point(
-    name: str, latencies: list[int], cpu_s: float, start: float, end: float
-) -> dict[str, Any]:
-    latencies.sort()
-    calls = len(latencies)
-    return {
-        "client": name,
-        "calls": calls,
-        "calls_per_s": round(calls / (end - start), 1),
-        "p50_us": round(latencies[calls // 2] / 1000, 1),
-        "p99_us": round(latencies[min(calls - 1, calls * 99 // 100)] / 1000, 1),
-        "client_cpu_us_per_call": round(cpu_s * 1e6 / calls, 1),
-        "window_monotonic": [start, end],
-    }
+        window.record(n, began, await call(n))
+    return window.point()
 
 
 async def _main_async(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -283,32 +284,20 @@ def test_a_writable_folder_is_made_step_by_step_never_through_a_symlink(tmp_path
     assert list(host.iterdir()) == [host / "log"]
 
 
-async def test_a_folder_swapped_after_the_checks_does_not_redirect_the_mount(
-    tmp_path: Path,
+async def _run_after_a_swap(
+    tmp_path: Path, ws: Path, decoy: Path, policy: SandboxPolicy, argv: list[str], **io: Any
 ) -> None:
-    """A guest still running swaps ``ws/a`` for a link to another folder just
-    after a launch's checks (here: between building the sandbox and starting
-    it). bubblewrap mounted by name, so the new guest's writes went to that
-    folder; it now mounts the descriptor the checks' walk opened."""
+    """Build a sandbox, then swap ``ws/a`` for a link to ``decoy`` as a guest
+    still running could just after a launch's checks, then run it to exit 0."""
     from supervisor.process import wait_exited
     from supervisor.sandbox.bwrap import SandboxHost
     from supervisor.sandbox.start import launch_sandboxed
 
-    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="hostcall-swap-"))
-    try:
-        base.chmod(0o755)
-        ws, decoy = base / "ws", base / "decoy"
-        ws.mkdir()
-        (decoy / "out").mkdir(parents=True)
-        (decoy / "out").chmod(0o777)
-        if os.geteuid() == 0:
-            os.chown(ws, NOBODY.uid, NOBODY.gid)  # the guests' own folder
-        listening = socket.socket(socket.AF_UNIX)
+    with socket.socket(socket.AF_UNIX) as listening:
         listening.bind(str(tmp_path / "channel.sock"))
-        out = ws / "a" / "out"
         launch = SandboxHost.probe().build(
-            SandboxPolicy(read_write=(out,)),
-            argv=["/bin/sh", "-c", f"echo planted > {out}/file"],
+            policy,
+            argv=argv,
             env={"PATH": "/usr/bin:/bin"},
             cwd=Path("/"),
             state_dir=tmp_path,
@@ -316,62 +305,79 @@ async def test_a_folder_swapped_after_the_checks_does_not_redirect_the_mount(
         )
         (ws / "a").rename(ws / "a-was")
         (ws / "a").symlink_to(decoy)
-        process, sandboxed = await launch_sandboxed(launch, credential="x" * 43)
+        process, sandboxed = await launch_sandboxed(launch, credential="x" * 43, **io)
         async with asyncio.timeout(STEP_TIMEOUT_S):
             assert await wait_exited(process) == 0
         sandboxed.close()
-        listening.close()
-        assert (ws / "a-was" / "out" / "file").read_text() == "planted\n"
-        assert not (decoy / "out" / "file").exists()
+
+
+@pytest.fixture
+def swap_base() -> Iterator[Path]:
+    """A folder outside /tmp (the sandbox's /tmp is private), searchable by the guests."""
+    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="hostcall-swap-"))
+    base.chmod(0o755)
+    try:
+        yield base
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+async def test_a_folder_swapped_after_the_checks_does_not_redirect_the_mount(
+    tmp_path: Path, swap_base: Path
+) -> None:
+    """A guest still running swaps ``ws/a`` for a link to another folder just
+    after a launch's checks (here: between building the sandbox and starting
+    it). bubblewrap mounted by name, so the new guest's writes went to that
+    folder; it now mounts the descriptor the checks' walk opened."""
+    ws, decoy = swap_base / "ws", swap_base / "decoy"
+    ws.mkdir()
+    (decoy / "out").mkdir(parents=True)
+    (decoy / "out").chmod(0o777)
+    if os.geteuid() == 0:
+        os.chown(ws, NOBODY.uid, NOBODY.gid)  # the guests' own folder
+    out = ws / "a" / "out"
+
+    await _run_after_a_swap(
+        tmp_path,
+        ws,
+        decoy,
+        SandboxPolicy(read_write=(out,)),
+        ["/bin/sh", "-c", f"echo planted > {out}/file"],
+    )
+
+    assert (ws / "a-was" / "out" / "file").read_text() == "planted\n"
+    assert not (decoy / "out" / "file").exists()
 
 
 @pytest.mark.parametrize("kind", ["folder", "file"])
 async def test_a_read_only_path_swapped_after_the_checks_still_shows_what_was_checked(
-    tmp_path: Path, kind: str
+    tmp_path: Path, swap_base: Path, kind: str
 ) -> None:
     """The same swap for a ``read_only`` path inside a writable one: it was
     mounted by name, so the next guest read the decoy; it now mounts the
     descriptor of a walk that never follows a symlink."""
-    from supervisor.process import wait_exited
-    from supervisor.sandbox.bwrap import SandboxHost
-    from supervisor.sandbox.start import launch_sandboxed
+    ws, decoy = swap_base / "ws", swap_base / "decoy"
+    for root, text in ((ws / "a", "checked\n"), (decoy, "decoy\n")):
+        (root / "src").mkdir(parents=True)
+        (root / "src" / "which").write_text(text)
+        (root / "which").write_text(text)
+        for path in (root, root / "src", root / "src" / "which", root / "which"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    shown = ws / "a" / "src" if kind == "folder" else ws / "a" / "which"
+    read = shown / "which" if kind == "folder" else shown
+    seen = tmp_path / "seen"
 
-    base = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="hostcall-swap-"))
-    try:
-        base.chmod(0o755)
-        ws, decoy = base / "ws", base / "decoy"
-        for root, text in ((ws / "a", "checked\n"), (decoy, "decoy\n")):
-            (root / "src").mkdir(parents=True)
-            (root / "src" / "which").write_text(text)
-            (root / "which").write_text(text)
-            for path in (root, root / "src", root / "src" / "which", root / "which"):
-                path.chmod(0o755 if path.is_dir() else 0o644)
-        listening = socket.socket(socket.AF_UNIX)
-        listening.bind(str(tmp_path / "channel.sock"))
-        shown = ws / "a" / "src" if kind == "folder" else ws / "a" / "which"
-        read = shown / "which" if kind == "folder" else shown
-        seen = tmp_path / "seen"
-        with seen.open("wb") as output:
-            launch = SandboxHost.probe().build(
-                SandboxPolicy(read_only=(shown,)),
-                argv=["/bin/cat", str(read)],
-                env={"PATH": "/usr/bin:/bin"},
-                cwd=Path("/"),
-                state_dir=tmp_path,
-                socket=tmp_path / "channel.sock",
-            )
-            (ws / "a").rename(ws / "a-was")
-            (ws / "a").symlink_to(decoy)
-            process, sandboxed = await launch_sandboxed(launch, credential="x" * 43, stdout=output)
-            async with asyncio.timeout(STEP_TIMEOUT_S):
-                assert await wait_exited(process) == 0
-            sandboxed.close()
-        listening.close()
-        assert seen.read_text() == "checked\n"
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    with seen.open("wb") as output:
+        await _run_after_a_swap(
+            tmp_path,
+            ws,
+            decoy,
+            SandboxPolicy(read_only=(shown,)),
+            ["/bin/cat", str(read)],
+            stdout=output,
+        )
+
+    assert seen.read_text() == "checked\n"
 
 
 def test_a_read_only_path_is_opened_by_a_walk_that_follows_no_symlink(tmp_path: Path) -> None:
