@@ -97,7 +97,7 @@ class SandboxLaunch:
     program: Path
     #: The options written into the ``--args`` pipe.
     options: tuple[str, ...]
-    #: What runs inside: ``[setsid] [setpriv …] CMD ARG…``.
+    #: What runs inside: ``[setpriv … --] [setsid] CMD ARG…``.
     command: tuple[str, ...]
     env: Mapping[str, str]
     #: The execution's ``"sandbox"`` object (docs/sandbox.md), ``limits`` added by the caller.
@@ -160,16 +160,16 @@ class SandboxHost:
         return [*options, "--die-with-parent", "--new-session"]
 
     def command_prefix(self) -> list[str]:
-        """What runs before the guest's own command inside the sandbox: setsid
-        (the guest is not a process group leader there, so it does not fork),
-        then, as root, setpriv."""
+        """What runs before the guest's own command inside the sandbox: as
+        root, setpriv first, so that nothing else runs with the capabilities
+        bubblewrap kept for it; then setsid (the guest is not a process group
+        leader there, so it does not fork: the guest stays pid 2)."""
         prefix = [str(self.setsid)] if self.setsid is not None else []
         if not self.root:
             return prefix
         assert self.setpriv is not None
         uid, gid = self.account.uid, self.account.gid
         return [
-            *prefix,
             str(self.setpriv),
             f"--reuid={uid}",
             f"--regid={gid}",
@@ -177,6 +177,7 @@ class SandboxHost:
             "--inh-caps=-all",
             "--bounding-set=-all",
             "--",
+            *prefix,
         ]
 
     def describe(self, network: str) -> dict[str, Any]:
@@ -217,8 +218,8 @@ class SandboxHost:
             SandboxError: a writable path is unsafe, or a named path is missing
                 or not writable by the guest's uid.
         """
-        check_writable(policy, trusted, state_dir)
         vetted = check_links(policy, self.account.uid if self.root else None)
+        check_writable(policy, trusted, state_dir, vetted)
         # Each plan path is mounted from the descriptor its walk opened, not
         # by name: a folder swapped on the way since cannot redirect it.
         held: dict[Path, tuple[int, Path]] = {}
@@ -264,7 +265,7 @@ class SandboxHost:
             sockets = _socket_masks(
                 bound_unix_sockets(),
                 channel=socket,
-                writable=[Path(os.path.realpath(p)) for p in policy.writable],
+                writable=[vetted[p] for p in policy.writable],
                 keep=[cwd, *needed],
             )
             layout.mask([*state_dirs, *hidden, *hide, *sockets])
@@ -295,9 +296,9 @@ class SandboxHost:
 
     def _prepare_writable(self, path: Path, real: Path) -> tuple[int, Path]:
         """Make a missing writable folder (as root: the guest's), or check that
-        the guest's uid may write an existing one; returns an ``O_PATH``
-        descriptor of it and the real path walked, which the sandbox mounts
-        (the one from the other, whatever the path's name resolves to since).
+        the guest's uid may write an existing one; returns a descriptor of it
+        and the real path walked, which the sandbox mounts (the one from the
+        other, whatever the path's name resolves to since).
 
         By the real path :func:`check_links` vetted, one folder at a time from
         ``/`` and never through a symlink (``O_NOFOLLOW``): a guest still
@@ -342,10 +343,10 @@ def _open_read_only(path: Path, real: Path) -> tuple[int, Path]:
     by ``real``, its real path as :func:`check_links` vetted it, walked as
     :func:`_walk_folders` walks: one step at a time from ``/``, never through
     a symlink, making nothing."""
-    if not os.path.lexists(path) or not os.path.lexists(real):
-        raise SandboxError(f"[sandbox] read_only path {path} does not exist")
     try:
         fd, st, _ = _walk_folders(real, None, make=False)
+    except FileNotFoundError:
+        raise SandboxError(f"[sandbox] read_only path {path} does not exist") from None
     except OSError as exc:
         raise SandboxError(
             f"[sandbox] read_only path {path} cannot be opened: {exc.strerror} at "
@@ -365,11 +366,11 @@ def _walk_folders(
     """Walk to the folder ``real`` (an absolute path without symlinks), making
     what is missing of it: each step relative to the folder before, never
     through a symlink (``O_NOFOLLOW``), by ``O_PATH`` (search permission is
-    enough). The last folder, if made here, is given to ``owner``. Returns
-    its ``O_PATH`` descriptor (the caller closes it), its status and
-    whether it was made here. With ``make`` False nothing is made, and the
-    last step may be a file (or a symlink, which the caller refuses: its
-    status says so).
+    enough). The last folder, if made here, is given to ``owner``
+    (:func:`_give_made_folder`). Returns its descriptor (the caller closes
+    it), its status and whether it was made here and given. With ``make``
+    False nothing is made, and the last step may be a file (or a symlink,
+    which the caller refuses: its status says so).
 
     Raises:
         OSError: a step is a symlink (``ELOOP``) or not a folder, or cannot be made.
@@ -386,17 +387,40 @@ def _walk_folders(
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o755, dir_fd=fd)
                     made = True
-            if made and owner is not None and last:
-                os.chown(name, *owner, dir_fd=fd, follow_symlinks=False)
             step = flags & ~os.O_DIRECTORY if last and not make else flags
             try:
-                inner = os.open(name, step, dir_fd=fd)
+                if made and last and owner is not None:
+                    inner, made = _give_made_folder(name, fd, owner)
+                else:
+                    inner = os.open(name, step, dir_fd=fd)
             except OSError as exc:
                 exc.filename = str(Path("/", *parts[: i + 1]))
                 raise
             os.close(fd)
             fd = inner
         return fd, os.fstat(fd), made
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _give_made_folder(name: str, parent: int, owner: tuple[int, int]) -> tuple[int, bool]:
+    """Open the folder just made as ``name`` in ``parent`` and give it to
+    ``owner``, if it is still that folder: ours, empty, with no folder in it.
+    Returns its descriptor and whether it was given.
+
+    Not by name: a guest whose writable folder holds ``parent`` could rename
+    a folder of its tree over the fresh one between the ``mkdir`` and a
+    ``chown`` (a root-only one, say). What was swapped in stays as it is,
+    and the caller checks it as a folder that was already there.
+    """
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    try:
+        st = os.fstat(fd)
+        fresh = st.st_uid == os.geteuid() and st.st_nlink == 2 and not os.listdir(fd)
+        if fresh:
+            os.fchown(fd, *owner)
+        return fd, fresh
     except BaseException:
         os.close(fd)
         raise

@@ -34,7 +34,6 @@ __all__ = [
     "mount_points",
     "reachable",
     "resolve",
-    "symlinks_on_the_way",
 ]
 
 #: How many symlink hops and ``#!`` levels are followed before giving up.
@@ -112,17 +111,12 @@ def _symlink_hops(path: Path) -> list[Path]:
     return hops
 
 
-def symlinks_on_the_way(path: Path) -> list[Path]:
-    """Every symlink met resolving ``path`` (absolute), in order, each named by
-    its real place (its folder resolved): the links in its folders, the links
-    those lead through, and ``path`` itself if it is one."""
-    return resolve(path)[1]
-
-
 def resolve(path: Path) -> tuple[Path, list[Path]]:
     """``path`` (absolute) resolved as the kernel would, a missing rest taken
-    as it is: its real path, and the symlinks met on the way
-    (:func:`symlinks_on_the_way`). After a loop of links, the real path is
+    as it is: its real path, and every symlink met on the way, in order, each
+    named by its real place (its folder resolved): the links in its folders,
+    the links those lead through, and ``path`` itself if it is one. After a
+    loop of links, the real path is
     the link where the resolving stopped: a symlink, never a folder before it."""
     found: list[Path] = []
     current = Path("/")

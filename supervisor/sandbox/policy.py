@@ -21,7 +21,7 @@ import contextlib
 import os
 import site
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -140,8 +140,18 @@ def import_paths() -> list[Path]:
     return [Path(os.path.realpath(p)) for p in found if p]
 
 
-def check_writable(policy: SandboxPolicy, trusted: Iterable[Path], state_dir: Path) -> None:
+def check_writable(
+    policy: SandboxPolicy,
+    trusted: Iterable[Path],
+    state_dir: Path,
+    vetted: Mapping[Path, Path] | None = None,
+) -> None:
     """Refuse a writable path that holds, or lies inside, something trusted.
+
+    ``vetted`` is each plan path's real path as :func:`check_links` resolved
+    it, which the launch then mounts: checking a path resolved again could
+    pass a folder other than the one mounted (a link swapped in between).
+    Without it, each path is resolved here.
 
     Trusted are the state dir, ``trusted`` (see :func:`trusted_paths`), the
     site folders and bytecode cache (:func:`import_paths`, inside or holding),
@@ -156,7 +166,7 @@ def check_writable(policy: SandboxPolicy, trusted: Iterable[Path], state_dir: Pa
     trusted = list(trusted)
     imports = import_paths()
     for writable in policy.writable:
-        real = Path(os.path.realpath(writable))
+        real = vetted[writable] if vetted is not None else resolve(writable)[0]
         if real == Path("/"):
             raise SandboxError(f"[sandbox] cannot make / writable for the guest ({writable})")
         if "__pycache__" in real.parts:
@@ -197,17 +207,16 @@ def check_links(policy: SandboxPolicy, guest_uid: int | None) -> dict[Path, Path
     share its uid, so such a link made through another plan is not told from
     the user's own (docs/security.md, Not defended).
 
-    The real paths are what the launch then walks and mounts, never through
-    a symlink: a link a guest swaps in after this check fails that walk,
-    where resolving the name again would follow it.
+    The real paths are what the launch then checks (:func:`check_writable`),
+    walks and mounts, never through a symlink: a link a guest swaps in after
+    this check fails that walk, where resolving the name again would follow it.
 
     Raises:
         SandboxError: with a one-line reason naming the path and the link.
     """
-    writable = [Path(os.path.realpath(p)) for p in policy.writable]
-    vetted: dict[Path, Path] = {}
-    for path in (*policy.read_only, *policy.writable):
-        vetted[path], links = resolve(path)
+    resolved = {path: resolve(path) for path in (*policy.read_only, *policy.writable)}
+    writable = [resolved[p][0] for p in policy.writable]
+    for path, (_, links) in resolved.items():
         for link in links:
             inside = next((w for w in writable if is_within(link, w)), None)
             if inside is not None:
@@ -220,7 +229,7 @@ def check_links(policy: SandboxPolicy, guest_uid: int | None) -> dict[Path, Path
                     f"[sandbox] {path} is reached through the symlink {link}, which a guest "
                     f"made (uid {guest_uid}): name the real path"
                 )
-    return vetted
+    return {path: real for path, (real, _) in resolved.items()}
 
 
 def _owner(path: Path) -> int | None:

@@ -9,6 +9,7 @@ tests/hardening/test_sandbox.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import site
@@ -16,7 +17,7 @@ import socket
 import stat
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,6 @@ from supervisor.sandbox.paths import (
     command_paths,
     reachable,
     resolve,
-    symlinks_on_the_way,
 )
 from supervisor.sandbox.policy import (
     SandboxError,
@@ -135,11 +135,14 @@ def test_every_symlink_on_the_way_to_a_path_is_found_at_its_real_place(tmp_path:
     (real / "up").symlink_to(tmp_path / "hop" / "deep")  # absolute, through another link
     (tmp_path / "loop").symlink_to("loop")
     path = tmp_path / "hop" / "up" / ".." / "deep" / "missing"
-    assert symlinks_on_the_way(path) == [tmp_path / "hop", real / "up", tmp_path / "hop"]
-    assert symlinks_on_the_way(real / "deep") == []
-    assert resolve(path)[0] == real / "deep" / "missing" == Path(os.path.realpath(path))
-    assert len(symlinks_on_the_way(tmp_path / "loop" / "x")) == 41  # bounded
-    stopped, _ = resolve(tmp_path / "loop" / "x")
+    assert resolve(path) == (
+        real / "deep" / "missing",
+        [tmp_path / "hop", real / "up", tmp_path / "hop"],
+    )
+    assert resolve(path)[0] == Path(os.path.realpath(path))
+    assert resolve(real / "deep") == (real / "deep", [])
+    stopped, links = resolve(tmp_path / "loop" / "x")
+    assert len(links) == 41  # bounded
     assert stopped.is_symlink()  # a walk to it fails; no folder before it stands in
 
 
@@ -284,18 +287,67 @@ def test_a_writable_folder_is_made_step_by_step_never_through_a_symlink(tmp_path
     assert list(host.iterdir()) == [host / "log"]
 
 
-async def _run_after_a_swap(
-    tmp_path: Path, ws: Path, decoy: Path, policy: SandboxPolicy, argv: list[str], **io: Any
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root supervisor gives a made folder away")
+def test_a_folder_swapped_over_the_one_just_made_is_not_given_to_the_guest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Build a sandbox, then swap ``ws/a`` for a link to ``decoy`` as a guest
-    still running could just after a launch's checks, then run it to exit 0."""
+    """As root, a missing writable folder is made and given to the guest's
+    uid. A guest still running whose writable folder holds this plan's path
+    renames a root-only folder of its tree over the fresh one between the
+    ``mkdir`` and the ``chown``: that folder was given away (with the key
+    in it) and, "made here", never had its owner checked. Now only the
+    empty folder just made is given, by its descriptor; anything else is an
+    existing folder, checked as one."""
+    from supervisor.sandbox import bwrap
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    os.chown(ws, NOBODY.uid, NOBODY.gid)  # the running guest's own folder
+    root_only = ws / "root-only"
+    root_only.mkdir(mode=0o700)
+    (root_only / "key").write_text("secret")
+    real_mkdir = os.mkdir
+
+    def mkdir_then_swap(path: Any, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        real_mkdir(path, mode, dir_fd=dir_fd)
+        if path == "new":
+            os.rename(root_only, ws / "new")  # over the empty folder just made
+
+    monkeypatch.setattr(bwrap.os, "mkdir", mkdir_then_swap)
+    (tmp_path / "channel.sock").touch()
+
+    with pytest.raises(SandboxError, match="not writable by the guest's uid 65534"):
+        bwrap.SandboxHost.probe().build(
+            SandboxPolicy(read_write=(ws / "new",)),
+            argv=["/bin/true"],
+            env={"PATH": "/usr/bin:/bin"},
+            cwd=Path("/"),
+            state_dir=tmp_path / "state",
+            socket=tmp_path / "channel.sock",
+        )
+    st = (ws / "new").stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o700)
+    assert (ws / "new" / "key").stat().st_uid == 0
+
+
+async def _run_built(
+    tmp_path: Path,
+    policy: SandboxPolicy,
+    argv: list[str],
+    *,
+    host: Any = None,
+    after_build: Callable[[], None] = lambda: None,
+    **io: Any,
+) -> None:
+    """Build a sandbox (on ``host``, or this one's), call ``after_build``,
+    then start it and wait for exit 0."""
     from supervisor.process import wait_exited
     from supervisor.sandbox.bwrap import SandboxHost
     from supervisor.sandbox.start import launch_sandboxed
 
     with socket.socket(socket.AF_UNIX) as listening:
         listening.bind(str(tmp_path / "channel.sock"))
-        launch = SandboxHost.probe().build(
+        launch = (host or SandboxHost.probe()).build(
             policy,
             argv=argv,
             env={"PATH": "/usr/bin:/bin"},
@@ -303,12 +355,24 @@ async def _run_after_a_swap(
             state_dir=tmp_path,
             socket=tmp_path / "channel.sock",
         )
-        (ws / "a").rename(ws / "a-was")
-        (ws / "a").symlink_to(decoy)
+        after_build()
         process, sandboxed = await launch_sandboxed(launch, credential="x" * 43, **io)
         async with asyncio.timeout(STEP_TIMEOUT_S):
             assert await wait_exited(process) == 0
         sandboxed.close()
+
+
+async def _run_after_a_swap(
+    tmp_path: Path, ws: Path, decoy: Path, policy: SandboxPolicy, argv: list[str], **io: Any
+) -> None:
+    """Build a sandbox, then swap ``ws/a`` for a link to ``decoy`` as a guest
+    still running could just after a launch's checks, then run it to exit 0."""
+
+    def swap() -> None:
+        (ws / "a").rename(ws / "a-was")
+        (ws / "a").symlink_to(decoy)
+
+    await _run_built(tmp_path, policy, argv, after_build=swap, **io)
 
 
 @pytest.fixture
@@ -380,6 +444,42 @@ async def test_a_read_only_path_swapped_after_the_checks_still_shows_what_was_ch
     assert seen.read_text() == "checked\n"
 
 
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="as root only: an unprivileged sandbox keeps no capability to drop"
+)
+async def test_nothing_but_setpriv_runs_with_the_capabilities_kept_for_it(
+    tmp_path: Path, swap_base: Path
+) -> None:
+    """As root, bubblewrap keeps CAP_SETUID, CAP_SETGID and CAP_SETPCAP for
+    setpriv, which drops them and uid 0 before the guest runs. util-linux's
+    setsid ran before setpriv, as uid 0 holding them; it now runs after.
+    A stand-in setsid reports what it runs as, then execs the real one."""
+    from supervisor.sandbox.bwrap import SandboxHost
+
+    host = SandboxHost.probe()
+    if host.setsid is None:
+        pytest.skip("util-linux's setsid is not installed")
+    spy = swap_base / "setsid"
+    spy.write_text(
+        f'#!/bin/sh\ngrep -E "^(Uid|CapEff|CapBnd):" /proc/self/status\nexec {host.setsid} "$@"\n'
+    )
+    spy.chmod(0o755)
+    seen = tmp_path / "seen"
+
+    with seen.open("wb") as output:
+        await _run_built(
+            tmp_path,
+            SandboxPolicy(read_only=(spy,)),
+            ["/bin/true"],
+            host=dataclasses.replace(host, setsid=spy),
+            stdout=output,
+        )
+
+    status = dict(line.split(":", 1) for line in seen.read_text().splitlines())
+    assert status["Uid"].split() == [str(host.account.uid)] * 4
+    assert int(status["CapEff"], 16) == int(status["CapBnd"], 16) == 0
+
+
 def test_a_read_only_path_is_opened_by_a_walk_that_follows_no_symlink(tmp_path: Path) -> None:
     from supervisor.sandbox.bwrap import _open_read_only, _walk_folders
 
@@ -407,15 +507,19 @@ def test_a_read_only_path_is_opened_by_a_walk_that_follows_no_symlink(tmp_path: 
         _open_read_only(tmp_path / "missing", tmp_path / "missing")
 
 
+@pytest.mark.parametrize("check", ["check_links", "check_writable"])
 @pytest.mark.parametrize("kind", ["read_only", "read_write"])
-def test_a_link_swapped_in_right_after_the_symlink_check_fails_the_launch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+def test_a_link_swapped_in_right_after_a_check_fails_the_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, check: str
 ) -> None:
-    """The narrowest window: a guest swaps a folder on the way for a link
-    just after the check that refuses such links. The launch walks the real
-    path that check vetted, never resolving the name again, so the swap
-    fails it instead of choosing what is mounted (or, as root, made and
-    given to the guest)."""
+    """The narrowest windows: a guest swaps a folder on the way for a link
+    just after one of the launch's checks of a plan path. The symlink
+    check resolves each path once; the check of what a writable path may
+    hold (the state dir, trusted code) and the walk take its real path,
+    never the name again, so the swap fails the launch instead of choosing
+    what is mounted (or, as root, made and given to the guest). The
+    trusted-path check resolved the name itself, before the symlink
+    check: a link swapped in between led to a folder it never saw."""
     from supervisor.sandbox import bwrap
 
     ws, decoy = tmp_path / "ws", tmp_path / "decoy"
@@ -424,15 +528,15 @@ def test_a_link_swapped_in_right_after_the_symlink_check_fails_the_launch(
     if os.geteuid() == 0:  # both the guests' to write: only the swap may refuse
         for folder in (ws / "a" / "src", decoy / "src"):
             os.chown(folder, NOBODY.uid, NOBODY.gid)
-    real_check = bwrap.check_links
+    real_check = getattr(bwrap, check)
 
-    def check_then_swap(policy: SandboxPolicy, guest_uid: int | None) -> dict[Path, Path]:
-        vetted = real_check(policy, guest_uid)
+    def check_then_swap(*args: Any) -> Any:
+        done = real_check(*args)
         (ws / "a").rename(ws / "a-was")
         (ws / "a").symlink_to(decoy)
-        return vetted
+        return done
 
-    monkeypatch.setattr(bwrap, "check_links", check_then_swap)
+    monkeypatch.setattr(bwrap, check, check_then_swap)
     path = ws / "a" / "src"
     policy = SandboxPolicy(**{kind: (path,)})  # type: ignore[arg-type]
     (tmp_path / "channel.sock").touch()
