@@ -420,8 +420,8 @@ class Supervisor:
         digest: bytes,
         launch: _Launch,
     ) -> Execution:
-        for older in self._executions.of_invocation(invocation_id):
-            older.end(ExecutionState.FENCED)
+        """A new execution of the invocation, routable but not yet started:
+        its older ones are fenced once its guest has started (:meth:`_fence_older`)."""
         execution_id = new_id("exe")
         execution: Execution
         broker = Broker(
@@ -452,6 +452,17 @@ class Supervisor:
         self._executions.add(execution)
         self.activity.changed(Topic.INVOCATIONS, invocation_id)
         return execution
+
+    def _fence_older(self, execution: Execution) -> None:
+        """Its guest has started: every older execution of its invocation is
+        fenced (SPEC §2). Not before the start: a new attempt that cannot
+        start (a typo in a resumed invocation's command) leaves the one
+        running live. Both are live while the new one starts: a call of
+        either is answered as it would be a moment earlier or later, each
+        ``call_id`` still at most once (the store decides that, not the fence)."""
+        for older in self._executions.of_invocation(execution.invocation_id):
+            if older is not execution:
+                older.end(ExecutionState.FENCED)
 
     def _execution_ended(self, execution: Execution) -> None:
         self.approvals.cancel_execution(execution.execution_id)
@@ -494,6 +505,7 @@ class Supervisor:
         except BaseException:
             self._never_started(execution)
             raise
+        self._fence_older(execution)
         process = guest.process
         execution.started(
             process,
@@ -586,6 +598,7 @@ class Supervisor:
         except BaseException:
             self._never_started(execution)
             raise
+        self._fence_older(execution)
         execution.started_wasm(guest.sandbox)
         self.activity.changed(Topic.INVOCATIONS, invocation_id)
         pumps = self._start_pumps(

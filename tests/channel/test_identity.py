@@ -144,6 +144,29 @@ async def test_a_new_execution_of_the_same_invocation_fences_the_older_one(
     assert ledger.runs["charge"] == 1
 
 
+@pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
+async def test_a_new_attempt_that_cannot_start_leaves_the_live_one_running(
+    tmp_path: Path, ledger: Ledger, sandbox: bool
+) -> None:
+    """Starting a new execution fences the older (SPEC §2); one whose
+    program cannot start never started. The fence came first, so a typo in
+    a resumed invocation's command stopped the attempt still running."""
+    plan = billing_plan(ledger)
+    async with (
+        Supervisor(tmp_path / "state", sandbox=sandbox) as sup,
+        driven_guest(sup, plan, invocation_id="inv_typo") as first,
+    ):
+        with pytest.raises(FileNotFoundError):
+            await sup.run(plan, [str(tmp_path / "no-such-program")], invocation_id="inv_typo")
+        reply = await first.call("c1", "charge", {"account": "a", "cents": 1})
+        state = first.execution.state
+    assert reply["status"] == 200, reply
+    assert state == "running"
+    assert ledger.runs["charge"] == 1
+    assert first.execution.outcome is not None
+    assert first.execution.outcome.reason == "exited"
+
+
 async def test_the_credential_is_in_neither_the_guest_environment_nor_its_argv(
     sup: Supervisor, ledger: Ledger
 ) -> None:
