@@ -406,8 +406,8 @@ def _walk_folders(
 
 def _give_made_folder(name: str, parent: int, owner: tuple[int, int]) -> tuple[int, bool]:
     """Open the folder just made as ``name`` in ``parent`` and give it to
-    ``owner``, if it is still that folder: ours, empty, with no folder in it.
-    Returns its descriptor and whether it was given.
+    ``owner``, if it is still that folder: ours and empty. Returns its
+    descriptor and whether it was given.
 
     Not by name: a guest whose writable folder holds ``parent`` could rename
     a folder of its tree over the fresh one between the ``mkdir`` and a
@@ -417,7 +417,8 @@ def _give_made_folder(name: str, parent: int, owner: tuple[int, int]) -> tuple[i
     fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
     try:
         st = os.fstat(fd)
-        fresh = st.st_uid == os.geteuid() and st.st_nlink == 2 and not os.listdir(fd)
+        # Not st_nlink == 2: btrfs counts a folder's links as 1.
+        fresh = st.st_uid == os.geteuid() and not os.listdir(fd)
         if fresh:
             os.fchown(fd, *owner)
         return fd, fresh
