@@ -2,7 +2,10 @@
 
 - **Not dumpable** (``PR_SET_DUMPABLE`` 0): processes of the supervisor's uid
   — an unsandboxed guest among them — can neither ptrace it nor read its
-  memory or descriptors through ``/proc``.
+  memory or descriptors through ``/proc``. For as long as a supervisor runs
+  in the process: when the last one closes, the flag is put back as it was
+  (a host program that ran one is then inspectable, and can be told from a
+  guest, by another supervisor's admin API again).
 - **Enough descriptors**: the soft ``RLIMIT_NOFILE`` is raised to the hard
   limit, so hundreds of guests with their connections, pipes and logs fit
   (the channel caps what each guest may hold; see ``channel.connections``).
@@ -23,6 +26,7 @@ import ctypes.util
 import logging
 import os
 import resource
+import threading
 from typing import Final
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "is_dumpable",
     "limit_noisy_loggers",
     "protect_process",
+    "unprotect_process",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,16 +67,34 @@ def close_inherited_on_exec() -> None:
                     os.set_inheritable(fd, False)
 
 
+class _Holders:
+    """How many running supervisors protect this process, and whether it was
+    dumpable before the first of them did."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.was_dumpable = False
+
+
+_HOLDERS: Final = _Holders()
+
+
 def protect_process() -> None:
     """Make this process non-dumpable, raise its descriptor limit and stop its
-    inherited descriptors from reaching guests. Idempotent."""
+    inherited descriptors from reaching guests. Each call is undone by one
+    :func:`unprotect_process`."""
     close_inherited_on_exec()
     limit_noisy_loggers()
-    try:
-        if _prctl(_PR_SET_DUMPABLE, 0) != 0:
-            logger.warning("could not make the supervisor non-dumpable")
-    except (OSError, AttributeError):  # not Linux
-        logger.warning("could not make the supervisor non-dumpable (no prctl)")
+    with _HOLDERS.lock:
+        try:
+            if _HOLDERS.count == 0:
+                _HOLDERS.was_dumpable = is_dumpable()
+            if _prctl(_PR_SET_DUMPABLE, 0) != 0:
+                logger.warning("could not make the supervisor non-dumpable")
+        except (OSError, AttributeError):  # not Linux
+            logger.warning("could not make the supervisor non-dumpable (no prctl)")
+        _HOLDERS.count += 1
     with contextlib.suppress(ValueError, OSError):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if hard == resource.RLIM_INFINITY:
@@ -112,6 +135,19 @@ def limit_noisy_loggers() -> None:
         target = logging.getLogger(name)
         if not any(isinstance(f, RateLimit) for f in target.filters):
             target.addFilter(RateLimit())
+
+
+def unprotect_process() -> None:
+    """One supervisor of this process has closed: when it was the last, the
+    process is dumpable again if it was before the first. The descriptor
+    limit and close-on-exec flags stay."""
+    with _HOLDERS.lock:
+        if _HOLDERS.count == 0:
+            return
+        _HOLDERS.count -= 1
+        if _HOLDERS.count == 0 and _HOLDERS.was_dumpable:
+            with contextlib.suppress(OSError, AttributeError):
+                _prctl(_PR_SET_DUMPABLE, 1)
 
 
 def is_dumpable() -> bool:

@@ -53,7 +53,7 @@ from supervisor.process import (
     guest_environment,
     wait_exited,
 )
-from supervisor.protection import protect_process
+from supervisor.protection import protect_process, unprotect_process
 from supervisor.receipts import Receipts
 from supervisor.sandbox import GUEST_SOCKET, SandboxHost
 from supervisor.spawn import GuestProcess
@@ -164,6 +164,8 @@ class Supervisor:
         self._executor: ThreadPoolExecutor | None = None
         self._cgroups: CgroupHost | None = None
         self._host_log: HostLog | None = None
+        #: Whether this supervisor holds the process non-dumpable (protection).
+        self._protecting = False
         self._module_cache: ModuleCache | None = None  # made with the first WebAssembly guest
         #: WebAssembly guests that did not stop in time, until they end.
         self._asleep: set[asyncio.Future[WasmOutcome]] = set()
@@ -212,6 +214,7 @@ class Supervisor:
         try:
             # Not dumpable, enough descriptors (docs/sandbox.md: the supervisor protects itself).
             protect_process()
+            self._protecting = True
             # Orphans of a guest's tree become our children, not init's: none escapes.
             become_subreaper()
             spec = self._store_spec
@@ -305,6 +308,9 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 cgroups.close()
         self._launcher = None
+        if self._protecting:
+            self._protecting = False
+            unprotect_process()
         self.state.release()
 
     # -- running guests ---------------------------------------------------------

@@ -454,10 +454,17 @@ class TreeTracker:
         the tree's root is among its ancestors, if the tree has seen it (or an
         ancestor) before, or if its environment carries an execution's id.
 
+        This process itself (its console, a host program calling its own
+        admin API) is no guest's: it is told by its pid, since it is not
+        dumpable and, to any uid but root, its own ``/proc`` files are not
+        readable.
+
         Raises:
             LookupError: the process cannot be attributed (gone, unreadable,
                 in another pid namespace): callers refuse it (fail closed).
         """
+        if pid == os.getpid():
+            return None
         pidns = pid_namespace(pid)
         if pidns is None:
             raise LookupError(f"cannot read the pid namespace of {pid}")

@@ -260,6 +260,14 @@ class Served:
     stderr_lines: list[str] = field(default_factory=list)
     drainer: threading.Thread | None = None
 
+    @property
+    def console_url(self) -> str:
+        """The console's URL, token included, as serve printed it."""
+        prefix = "hostcall: console at "
+        return next(line for line in self.stderr_lines if line.startswith(prefix))[
+            len(prefix) :
+        ].strip()
+
     def admin(
         self,
         method: str,
@@ -317,11 +325,12 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(account: Account, *, sandbox: str = "") -> Iterator[Served]:
+def serving(account: Account, *, sandbox: str = "", console: bool = False) -> Iterator[Served]:
     """``hostcall serve`` as ``account``; stopped (SIGTERM) at the end.
 
     Guests' output goes to a file (``Served.stdout``); serve's own stderr is
-    drained by a thread so that its log never blocks it.
+    drained by a thread so that its log never blocks it. With ``console``,
+    it serves the operator console too (``Served.console_url``).
     """
     plan = plan_file(account, sandbox)
     state = account.home / "state"
@@ -333,6 +342,7 @@ def serving(account: Account, *, sandbox: str = "") -> Iterator[Served]:
             str(state),
             "--plan",
             str(plan),
+            *(("--console", "127.0.0.1:0") if console else ()),
             stdin=subprocess.DEVNULL,
             stdout=stdout,
             stderr=subprocess.PIPE,

@@ -21,6 +21,8 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -600,6 +602,25 @@ def test_the_admin_api_refuses_every_peer_it_cannot_attribute_and_still_serves_t
         assert refused["body"]["error"]["code"] == "origin_denied", refused
     assert operator.returncode == 0, operator.stderr
     assert operator.stdout.strip() == "no proposals"
+
+
+def test_the_console_in_the_supervisors_own_process_reaches_its_admin_api(
+    account: Account,
+) -> None:
+    """``--console`` serves the operator console from the supervisor's own
+    process, a client of its admin API like the CLI. The admin check read
+    the peer's ``/proc/<pid>/environ`` to tell it from a guest; the
+    supervisor is not dumpable, so to any user but root its own ``/proc``
+    files are root's: as a user, every page of the console answered 403
+    origin_denied. The supervisor's own process is no guest's."""
+    with serving(account, console=True) as served:
+        url = urllib.parse.urlsplit(served.console_url)
+        with urllib.request.urlopen(
+            f"{url.scheme}://{url.netloc}/api/overview?{url.query}", timeout=STEP_TIMEOUT_S
+        ) as response:
+            status, overview = response.status, json.load(response)
+    assert status == 200
+    assert (overview["invocations"], overview["approvals"]) == ([], [])
 
 
 # == S5: nothing of a guest outlives its execution =====================================

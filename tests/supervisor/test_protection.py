@@ -9,6 +9,8 @@ one line.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import os
 import stat
@@ -49,10 +51,31 @@ async def test_the_state_dir_is_0700_and_every_file_in_it_0600_the_stores_wal_an
             assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
 
 
-async def test_a_running_supervisor_is_not_dumpable(tmp_path: Path) -> None:
-    async with Supervisor(tmp_path / "state", sandbox=False):
-        # PR_SET_DUMPABLE 0: no process of its uid may ptrace it or read its memory.
+async def test_a_process_is_not_dumpable_while_any_of_its_supervisors_runs(
+    tmp_path: Path,
+) -> None:
+    """PR_SET_DUMPABLE 0: no process of its uid may ptrace it or read its
+    memory. It stayed so after the supervisor closed, and as a user such a
+    process cannot be told from a guest by another supervisor's admin API
+    (its ``/proc`` files are root's): a host program that had run one was
+    refused as an operator. The last supervisor to close puts it back."""
+    set_dumpable(True)
+    async with Supervisor(tmp_path / "a", sandbox=False):
         assert not is_dumpable()
+        async with Supervisor(tmp_path / "b", sandbox=False):
+            assert not is_dumpable()
+        assert not is_dumpable()  # the first one still runs
+    assert is_dumpable()
+    set_dumpable(False)  # not dumpable before: left so
+    async with Supervisor(tmp_path / "c", sandbox=False):
+        pass
+    assert not is_dumpable()
+    set_dumpable(True)
+
+
+def set_dumpable(dumpable: bool) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    assert libc.prctl(4, int(dumpable), 0, 0, 0) == 0  # PR_SET_DUMPABLE
 
 
 async def test_the_sampler_outlives_emfile_and_still_ends_a_guest_at_its_limit(
