@@ -103,12 +103,12 @@ def _start_run(
     )
 
 
-def _kill_mid_run(run: subprocess.Popen[str], guest_pid: int) -> None:
-    """What a crash leaves: the supervisor killed with SIGKILL, and its guest
-    (orphaned, unsandboxed here) killed too."""
+def _kill_mid_run(run: subprocess.Popen[str]) -> None:
+    """What a crash leaves: the supervisor killed with SIGKILL. Its sandboxed
+    guest dies with it (S5); the pid it reported is its sandbox's (2), no
+    host process to signal."""
     os.kill(run.pid, signal.SIGKILL)
     run.wait(timeout=STEP_TIMEOUT_S)
-    os.kill(guest_pid, signal.SIGKILL)
 
 
 def test_after_kill_9_mid_handler_a_resumed_invocation_replays_commits_and_reports_unknown(
@@ -127,11 +127,11 @@ def test_after_kill_9_mid_handler_a_resumed_invocation_replays_commits_and_repor
         listener.settimeout(STEP_TIMEOUT_S)
         with _start_run(state, plan_file, calls, env) as first:
             assert first.stdout is not None
-            guest_pid = json.loads(read_line(first.stdout))["pid"]
+            assert "pid" in json.loads(read_line(first.stdout))  # the guest runs
             committed = json.loads(read_line(first.stdout))
             connection, _ = listener.accept()  # the hang handler is running now
             connection.close()
-            _kill_mid_run(first, guest_pid)
+            _kill_mid_run(first)
     assert committed == {"call_id": "c1", "result": {"charge_id": "ch_alice", "cents": 500}}
 
     again = [*calls, ["plan", "__plan__", {}]]
@@ -209,9 +209,9 @@ def test_after_kill_9_during_an_approval_wait_the_reserved_budget_is_given_back(
     calls = [["p1", "charge", {"account": "alice", "cents": 500}]]
     with _start_run(state, plan, calls, env) as first:
         assert first.stdout is not None
-        guest_pid = json.loads(read_line(first.stdout))["pid"]
+        assert "pid" in json.loads(read_line(first.stdout))  # the guest runs
         _waiting_proposal(state)  # the budget is reserved; the call waits
-        _kill_mid_run(first, guest_pid)
+        _kill_mid_run(first)
 
     with _start_run(state, plan, [*calls, ["plan", "__plan__", {}]], env) as second:
         try:

@@ -10,7 +10,6 @@ the journal: the next start completes the file, also past a torn last line.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import os
@@ -286,10 +285,9 @@ def test_hostcall_run_killed_after_a_commit_has_its_executed_receipt_after_resum
         start_new_session=True,
     ) as first:
         assert first.stdout is not None
-        guest_pid = json.loads(read_line(first.stdout))["pid"]
+        assert "pid" in json.loads(read_line(first.stdout))  # the guest runs
+        # The run kills itself; its sandboxed guest dies with it (S5).
         assert first.wait(timeout=STEP_TIMEOUT_S) == -signal.SIGKILL
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(guest_pid, signal.SIGKILL)  # the orphaned guest of the dead run
     path = state / "receipts" / "inv_jr.jsonl"
     assert not path.exists() or path.read_text() == ""  # the line never reached the file
 

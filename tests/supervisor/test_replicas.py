@@ -255,7 +255,7 @@ def test_kill_9_of_a_replica_mid_call_leaves_the_call_unknown_after_its_lease_fo
     a = cluster.start("a", [hang], store=store)
     with running(a):
         assert a.stdout is not None
-        guest_a = json.loads(read_line(a.stdout))["pid"]
+        assert "pid" in json.loads(read_line(a.stdout))  # a's guest runs
         connection, said = cluster.accept()  # a's handler is running now
         assert said == "hang"
         owner = (cluster.state("a") / "replica-id").read_text().strip()
@@ -276,8 +276,7 @@ def test_kill_9_of_a_replica_mid_call_leaves_the_call_unknown_after_its_lease_fo
             assert row["status"] == "pending"
 
             os.kill(a.pid, signal.SIGKILL)
-            a.wait(timeout=STEP_TIMEOUT_S)
-            os.kill(guest_a, signal.SIGKILL)  # the orphaned guest of the dead replica
+            a.wait(timeout=STEP_TIMEOUT_S)  # its sandboxed guest dies with it (S5)
             connection.close()
             cluster.wait_for(
                 "h1 becomes unknown once a's lease has run out",
@@ -308,11 +307,10 @@ def test_a_replica_restarted_on_its_state_dir_answers_unknown_at_once_without_it
     a = cluster.start("a", [hang], store=store)
     with running(a):
         assert a.stdout is not None
-        guest_a = json.loads(read_line(a.stdout))["pid"]
+        assert "pid" in json.loads(read_line(a.stdout))  # a's guest runs
         connection, _ = cluster.accept()
         os.kill(a.pid, signal.SIGKILL)
-        a.wait(timeout=STEP_TIMEOUT_S)
-        os.kill(guest_a, signal.SIGKILL)
+        a.wait(timeout=STEP_TIMEOUT_S)  # its sandboxed guest dies with it (S5)
         connection.close()
     again = cluster.start("a", [hang], store=store)  # same state dir: same replica id
     with running(again):
