@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -230,6 +231,20 @@ async def test_invocations_lists_budget_use_and_executions(sup: Supervisor, ledg
     assert entry["cost_used"] == 10
     assert entry["executions"][0]["execution_id"] == guest.execution.execution_id
     assert entry["executions"][0]["state"] == "running"
+
+
+async def test_stats_show_the_supervisors_own_process(gated: Supervisor) -> None:
+    """What its uid cannot read from outside: the supervisor is not dumpable,
+    so as any user but root its descriptors are root's to list (scripts/soak
+    samples these)."""
+    stats = await admin(gated, "GET", "/v1/stats")
+    assert isinstance(stats, dict)
+    process = stats["process"]
+    assert process["pid"] == os.getpid()  # the supervisor runs in the test's process
+    assert process["rss_bytes"] > 2**20
+    assert process["threads"] >= 1
+    assert process["open_fds"] >= 3  # stdio, the sockets, the store
+    assert stats["proposals_waiting"] == 0
 
 
 async def test_metrics_parse_with_prometheus_own_parser(gated: Supervisor, ledger: Ledger) -> None:
