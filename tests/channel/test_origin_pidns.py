@@ -410,7 +410,8 @@ nested = subprocess.run(
     input=json.dumps({"raw": raw.replace("\r\n\r\n", "\r\nConnection: close\r\n\r\n")}) + "\n",
     capture_output=True, text=True, timeout=10,
 )
-print(json.dumps({"held": status, "nested": json.loads(nested.stdout), "err": nested.stderr}))
+print(json.dumps({"held": status, "nested": json.loads(nested.stdout), "err": nested.stderr}),
+      flush=True)
 sys.stdin.read()
 """
 

@@ -76,10 +76,14 @@ class Account:
         return self.uid == 0
 
     def env(self, **extra: str) -> dict[str, str]:
-        """A clean environment for the CLI: this venv's packages, no HOSTCALL_*."""
+        """A clean environment for the CLI: this venv's packages, no HOSTCALL_*,
+        and no bytecode written beside the plan's tools when the supervisor
+        imports them (a test compares the plan's folder before and after a
+        guest: only what the guest did may count)."""
         paths = [str(REPO), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTCALL_")}
         env.update(PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), HOME=str(self.home))
+        env.update(PYTHONDONTWRITEBYTECODE="1")
         env.update(extra)
         return env
 

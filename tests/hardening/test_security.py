@@ -547,7 +547,10 @@ async def test_the_credential_is_in_no_file_log_environment_argv_or_answer(
             printer = await sup.run(plan, [sys.executable, "-c", PRINTER, str(printed_to)])
         printed = printed_to.read_text()
         own_proc = [
-            Path("/proc/self/environ").read_bytes(),
+            # Not /proc/self/environ: the environment this process started
+            # with (what putenv adds is not there), and, the supervisor not
+            # being dumpable, root's to read.
+            b"\0".join(key + b"=" + value for key, value in os.environb.items()),
             Path("/proc/self/cmdline").read_bytes(),
         ]
         files_while_running = files_under(state)

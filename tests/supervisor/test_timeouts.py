@@ -4,6 +4,7 @@ the broker meets: every test runs both and compares."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
@@ -20,6 +21,9 @@ Limit = Callable[[float], AbstractAsyncContextManager[object]]
 LIMITS = pytest.mark.parametrize(
     "limit", [asyncio.timeout, Deadline], ids=["asyncio.timeout", "Deadline"]
 )
+#: asyncio.timeout leaves a cancel asked before it began alone from 3.11.3 on
+#: (gh-102780); 3.11.2 (Debian 12's) raises CancelledError for its own expiry.
+STDLIB_KEEPS_EARLIER_CANCELS = sys.version_info >= (3, 11, 3)
 
 
 @LIMITS
@@ -121,6 +125,8 @@ async def test_a_cancel_from_outside_at_the_moment_of_expiry_stays_a_cancel(
 
 @LIMITS
 async def test_a_task_already_being_cancelled_keeps_that_cancel(limit: Limit) -> None:
+    if limit is asyncio.timeout and not STDLIB_KEEPS_EARLIER_CANCELS:
+        pytest.skip("this Python's asyncio.timeout predates gh-102780; Deadline is still tested")
     loop = asyncio.get_running_loop()
     started = loop.create_future()
     never = loop.create_future()
