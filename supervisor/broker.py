@@ -459,9 +459,18 @@ class Broker:
             in_doubt = exc
         except ambiguous as exc:
             in_doubt = exc
-        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # boundary: any other error
-            # leaves no effect; SystemExit and KeyboardInterrupt too (argparse on
-            # bad input, sys.exit): a handler must not stop the supervisor.
+        except KeyboardInterrupt as exc:
+            # In doubt: a SIGINT lands wherever the main thread is, after the
+            # effect as likely as before. On the loop (an async handler) it may
+            # be the operator's Ctrl-C, of a host program that lets Python turn
+            # SIGINT into KeyboardInterrupt: recorded, then passed on.
+            if tool.is_async:
+                await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
+                raise
+            in_doubt = exc
+        except (Exception, SystemExit) as exc:  # boundary: any other error leaves no
+            # effect; SystemExit too (argparse on bad input, sys.exit): a handler
+            # must not stop the supervisor.
             self._log_raised("call %s: %s raised %s: %s", call, exc)
             await self._settle(self.store.release(self.invocation_id, call.call_id))
             reply = CallReply(

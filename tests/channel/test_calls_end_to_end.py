@@ -6,6 +6,10 @@ Each test counts the handler's real executions in the ledger.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +19,8 @@ from pydantic import BaseModel
 from supervisor import Plan, Supervisor, tool
 from supervisor.canonical import MAX_NESTING
 from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan, driven_guest, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_a_new_call_runs_once_and_its_retry_replays_the_stored_result(
@@ -290,14 +296,14 @@ async def test_a_handler_past_its_time_limit_is_cancelled_and_its_outcome_is_unk
     assert (ledger.runs["hangs"], ledger.runs["hangs cancelled"]) == (1, 1)
 
 
-@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt])
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_a_handler_that_raises_system_exit_is_a_tool_error_not_the_end(
-    sup: Supervisor, ledger: Ledger, kind: str, raised: type[BaseException]
+    sup: Supervisor, ledger: Ledger, kind: str
 ) -> None:
-    # argparse on a guest's input calls sys.exit(2), a handler may raise
-    # KeyboardInterrupt: neither may stop the supervisor (nor leave the
-    # record pending). KeyboardInterrupt used to end hostcall run (exit 130).
+    # argparse on a guest's input calls sys.exit(2): that may not stop the
+    # supervisor (nor leave the record pending).
+    raised = SystemExit
+
     def exits() -> int:
         ledger.record("exits")
         raise raised(2)
@@ -320,6 +326,83 @@ async def test_a_handler_that_raises_system_exit_is_a_tool_error_not_the_end(
     assert after["status"] == 200 and after["body"]["result"] == "still here"
     assert [r.call_id for r in records] == ["x2"]  # the failed call was released
     assert ledger.runs["exits"] == 1
+
+
+async def test_a_keyboard_interrupt_in_a_sync_handler_is_in_doubt_and_never_run_again(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    """A KeyboardInterrupt may come after the handler's effect. It was
+    answered failed and the record released, so a retry ran the handler
+    again. In a worker thread it is the handler's own (signals go to the
+    main thread): in doubt, answered, and the supervisor goes on."""
+
+    @tool(reversibility="irreversible")
+    def interrupted() -> int:
+        ledger.record("interrupted")
+        raise KeyboardInterrupt
+
+    plan = Plan([interrupted, _echo], name="interrupted-test")
+    async with driven_guest(sup, plan) as guest:
+        first = await guest.call("k1", "interrupted", {})
+        retry = await guest.call("k1", "interrupted", {})
+        after = await guest.call("k2", "echo", {"text": "still here"})
+    for reply in (first, retry):
+        assert reply["status"] == 409, reply
+        assert (reply["body"]["status"], reply["body"]["effect"]) == ("ambiguous", "unknown")
+    assert after["status"] == 200
+    assert ledger.runs["interrupted"] == 1
+
+
+#: A host program that leaves SIGINT to Python (run_until_complete, no signal
+#: handler of asyncio's): its async tool pays, then the operator's Ctrl-C
+#: lands while it still runs. argv: state dir, ledger file, "first" or "again".
+SIGINT_HOST = r"""
+import asyncio, json, os, signal, sys, time
+from supervisor import Plan, Supervisor, tool
+from tests.harness import driven_guest
+
+state, ledger, phase = sys.argv[1:4]
+
+@tool(reversibility="irreversible")
+async def pay(account: str) -> str:
+    with open(ledger, "a") as f:
+        f.write(account + "\n")  # the effect has happened
+    if phase == "first":
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # where the KeyboardInterrupt lands
+            pass
+    return "paid"
+
+async def main():
+    async with Supervisor(state, sandbox=False) as sup:
+        async with driven_guest(sup, Plan([pay], name="pay"), invocation_id="inv_kb") as g:
+            reply = await g.call("c1", "pay", {"account": "a"})
+    print(json.dumps(reply["body"]), flush=True)
+
+asyncio.new_event_loop().run_until_complete(main())
+"""
+
+
+def test_an_operators_ctrl_c_in_an_async_handler_stops_the_host_and_leaves_the_call_unknown(
+    tmp_path: Path,
+) -> None:
+    """On the loop, a KeyboardInterrupt may be the operator's Ctrl-C: it is
+    passed on (the host program stops), and the call is recorded in doubt,
+    so the resumed invocation's retry is answered unknown, never run again."""
+    state, ledger = tmp_path / "state", tmp_path / "ledger"
+    command = [sys.executable, "-c", SIGINT_HOST, str(state), str(ledger)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.run(
+        [*command, "first"], capture_output=True, text=True, timeout=STEP_TIMEOUT_S * 2, env=env
+    )
+    again = subprocess.run(
+        [*command, "again"], capture_output=True, text=True, timeout=STEP_TIMEOUT_S * 2, env=env
+    )
+    assert first.returncode != 0 and "KeyboardInterrupt" in first.stderr, first.stderr[-2000:]
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(again.stdout)["effect"] == "unknown"
+    assert ledger.read_text() == "a\n"  # paid once
 
 
 async def test_a_handler_whose_own_await_was_cancelled_is_in_doubt_and_answered(
