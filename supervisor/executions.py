@@ -123,14 +123,19 @@ class Execution:
         self.guest_pidns = pidns
         self.guest_uid = uid
         self.sandbox = sandbox
-        self.state = ExecutionState.RUNNING
-        self.launched.set()
+        self._running()
 
     def started_wasm(self, sandbox: Mapping[str, Any]) -> None:
         """Its WebAssembly guest runs, in this process: no pid, no socket —
         its instance is its identity (docs/wasm.md)."""
         self.sandbox = sandbox
-        self.state = ExecutionState.RUNNING
+        self._running()
+
+    def _running(self) -> None:
+        # Fenced or cancelled while it started: it stays so (its caller stops
+        # the guest), never live again.
+        if self.state is ExecutionState.STARTING:
+            self.state = ExecutionState.RUNNING
         self.launched.set()
 
     def retire(self, outcome: ExecutionOutcome) -> None:

@@ -466,9 +466,12 @@ class Supervisor:
         running live. Both are live while the new one starts: a call of
         either is answered as it would be a moment earlier or later, each
         ``call_id`` still at most once (the store decides that, not the fence)."""
-        for older in self._executions.of_invocation(execution.invocation_id):
-            if older is not execution:
-                older.end(ExecutionState.FENCED)
+        if not execution.live:  # a newer one started first and fenced it
+            return
+        for other in self._executions.of_invocation(execution.invocation_id):  # oldest first
+            if other is execution:
+                return  # newer ones (still starting) are not this one's to fence
+            other.end(ExecutionState.FENCED)
 
     def _execution_ended(self, execution: Execution) -> None:
         self.approvals.cancel_execution(execution.execution_id)

@@ -10,6 +10,7 @@ import pytest
 
 from supervisor import Supervisor
 from tests.harness import (
+    STEP_TIMEOUT_S,
     Ledger,
     billing_plan,
     driven_guest,
@@ -165,6 +166,39 @@ async def test_a_new_attempt_that_cannot_start_leaves_the_live_one_running(
     assert ledger.runs["charge"] == 1
     assert first.execution.outcome is not None
     assert first.execution.outcome.reason == "exited"
+
+
+@pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
+async def test_two_attempts_started_at_once_leave_the_newer_one_running(
+    tmp_path: Path, ledger: Ledger, sandbox: bool
+) -> None:
+    """Two launches of one invocation at once (a double-submitted ``POST
+    /v1/invocations``): the newer one fences the older, whichever starts
+    first. Each used to fence every other once started, so both were
+    fenced, and the one started last then came back to "running" with
+    its end already set."""
+    plan = billing_plan(ledger)
+    async with Supervisor(tmp_path / "state", sandbox=sandbox) as sup:
+        runs = [
+            asyncio.ensure_future(sup.run(plan, ["/bin/sleep", "30"], invocation_id="inv_twice"))
+            for _ in range(2)
+        ]
+        try:
+            await wait_until(
+                lambda: [e.launched.is_set() for e in sup.executions("inv_twice")] == [True] * 2,
+                "both attempts started",
+            )
+            older, newer = sup.executions("inv_twice")  # oldest first
+            states = (older.state, newer.state, newer.ended.is_set())
+            sup.cancel(newer.execution_id)
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                outcomes = await asyncio.gather(*runs)
+        finally:
+            for run in runs:
+                run.cancel()
+    assert states == ("fenced", "running", False)
+    reasons = {o.executions[-1].execution_id: o.executions[-1].reason for o in outcomes}
+    assert reasons == {older.execution_id: "fenced", newer.execution_id: "cancelled"}
 
 
 async def test_the_credential_is_in_neither_the_guest_environment_nor_its_argv(
