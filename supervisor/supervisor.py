@@ -603,11 +603,12 @@ class Supervisor:
                 launch.limits,
                 imports=self._imports,
                 workdir=plan.sandbox.workdir,
+                # Its instance is its start: a module that cannot be linked fences nothing.
+                on_instance=lambda: self._fence_older(execution),
             )
         except BaseException:
             self._never_started(execution)
             raise
-        self._fence_older(execution)
         execution.started_wasm(guest.sandbox)
         self.activity.changed(Topic.INVOCATIONS, invocation_id)
         pumps = self._start_pumps(

@@ -318,6 +318,8 @@ class WasmGuest:
             time; the caller enforces ``timeout_s`` (it calls :meth:`stop`).
         imports: What the imports call (the supervisor's one :class:`Imports`).
         workdir: A host folder preopened as the guest's ``.``, or None.
+        on_instance: Called on the loop once its instance is made, before
+            any of its code runs (a guest that cannot be linked never is).
     """
 
     def __init__(
@@ -330,8 +332,10 @@ class WasmGuest:
         *,
         imports: Imports,
         workdir: Path | None = None,
+        on_instance: Callable[[], None] | None = None,
     ) -> None:
         self._engine = compiled.engine
+        self._on_instance = on_instance
         self._code = compiled.code
         self._args = list(argv[1:])
         self._execution = execution
@@ -486,6 +490,7 @@ class WasmGuest:
         InterruptiblePoll(self._engine, store, self._stopped).define(linker)
         self._define_imports(linker)
         instance = linker.instantiate(store, module)
+        self._instantiated()
         memory = instance.exports(store).get("memory")
 
         def peak() -> int:
@@ -511,6 +516,7 @@ class WasmGuest:
             host.add_func("status", self._component_status)
             host.add_func("plan", self._component_plan)
         instance = linker.instantiate(store, code)
+        self._instantiated()
         run = instance.get_func(store, RUN_EXPORT)
         if run is None:
             raise WasmError("the component exports no run")
@@ -520,6 +526,11 @@ class WasmGuest:
         return int(result) if isinstance(result, int) else 1
 
     # -- a component's imports: strings in, (status, string) out -----------------
+
+    def _instantiated(self) -> None:
+        if self._on_instance is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                self._loop.call_soon_threadsafe(self._on_instance)
 
     def _component_call(self, store: object, request: str) -> tuple[int, str]:
         data = request.encode()

@@ -524,6 +524,44 @@ async def test_a_module_hostcall_cannot_run_is_refused_before_an_invocation_exis
         assert await sup.store.get_invocation("inv_x") is None
 
 
+#: Passes the checks before an invocation exists; linking fails (fd_write's type).
+CANNOT_LINK = """
+(module
+  (import "wasi_snapshot_preview1" "fd_write" (func (param i32)))
+  (memory (export "memory") 1)
+  (func (export "_start")))
+"""
+
+
+async def test_a_wasm_attempt_that_cannot_be_linked_leaves_the_live_attempt_running(
+    tmp_path: Path,
+) -> None:
+    """A WebAssembly guest starts when its instance is made, on its thread.
+    A module whose imports cannot be linked never started, but the fence
+    came before: the invocation's running attempt was stopped for it."""
+    (tmp_path / "bad.wat").write_text(CANNOT_LINK)
+    plan = scenario_plan(Ledger())
+    async with Supervisor(tmp_path / "state", sandbox=False) as sup:
+        live = asyncio.ensure_future(sup.run(plan, ["/bin/sleep", "30"], invocation_id="inv_l"))
+        try:
+            await wait_until(
+                lambda: [e.launched.is_set() for e in sup.executions("inv_l")] == [True],
+                "the live attempt started",
+            )
+            [running] = sup.executions("inv_l")
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                bad = await sup.run(plan, [], invocation_id="inv_l", wasm=tmp_path / "bad.wat")
+            state = running.state
+            sup.cancel(running.execution_id)
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                outcome = await live
+        finally:
+            live.cancel()
+    assert bad.last.reason == "signalled"
+    assert state == "running"
+    assert outcome.last.reason == "cancelled"
+
+
 async def test_the_admin_api_launches_a_wasm_guest(tmp_path: Path, agent_wasm: Path) -> None:
     plan = scenario_plan(Ledger())
     async with Supervisor(tmp_path / "state", plan=plan) as sup:
