@@ -114,6 +114,9 @@ class RunOutcome:
 
     invocation_id: str
     executions: tuple[ExecutionOutcome, ...]
+    #: Why a relaunch (``attempts``) could not start, after the attempts that
+    #: ran: its program gone, say. The last attempt that ran gives the status.
+    error: str | None = None
 
     @property
     def last(self) -> ExecutionOutcome:
@@ -137,8 +140,11 @@ class RunOutcome:
 
     def to_json(self) -> dict[str, Any]:
         """The stable JSON form (``hostcall run --json``)."""
-        return {
+        summary = {
             "invocation_id": self.invocation_id,
             "exit_status": self.exit_status,
             "executions": [e.to_json() for e in self.executions],
         }
+        if self.error is not None:
+            summary["error"] = self.error
+        return summary

@@ -28,7 +28,7 @@ from supervisor.admin import AdminServer
 from supervisor.approvals import ApprovalController, Approver
 from supervisor.broker import Broker
 from supervisor.cgroups import CgroupHost
-from supervisor.errors import InvocationMismatch, WasmBusy
+from supervisor.errors import HostcallError, InvocationMismatch, WasmBusy
 from supervisor.executions import Execution, ExecutionState, ExecutionTable
 from supervisor.guests import GuestLauncher
 from supervisor.hostlog import HostLog, about
@@ -350,7 +350,9 @@ class Supervisor:
 
         Raises:
             InvocationMismatch: the invocation exists with another plan.
-            OSError: the command (or module) could not be started.
+            OSError: the command (or module) could not be started. (When a
+                relaunch cannot, the attempts before it are returned, with
+                :attr:`RunOutcome.error` saying why.)
             WasmError: the module is not one hostcall can run.
             WasmBusy: too many WebAssembly guests stopped while asleep in WASI
                 have not woken yet (:data:`MAX_ASLEEP_WASM`).
@@ -382,7 +384,15 @@ class Supervisor:
                 delay = min(ATTEMPT_BACKOFF_S * 2 ** (attempt - 1), ATTEMPT_BACKOFF_MAX_S)
                 await asyncio.sleep(delay)
             invocation = await self._open_invocation(plan, invocation_id)
-            outcome = await self._run_once(plan, invocation_id, invocation, launch)
+            try:
+                outcome = await self._run_once(plan, invocation_id, invocation, launch)
+            except (OSError, HostcallError) as exc:
+                if not outcomes:
+                    raise
+                # The attempts before it ran: their outcomes are the answer.
+                why = f"attempt {attempt + 1} could not start: {exc}"
+                logger.error("invocation %s: %s", invocation_id, why)
+                return RunOutcome(invocation_id, tuple(outcomes), why)
             outcomes.append(outcome)
             if outcome.exit_status == 0 or outcome.reason in ("cancelled", "fenced"):
                 break

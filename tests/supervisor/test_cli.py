@@ -371,6 +371,32 @@ def test_attempts_relaunch_until_success_and_report_each_execution(
     )
 
 
+def test_a_relaunch_that_cannot_start_keeps_the_attempts_that_ran(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    """The guest deletes its own program and fails: the second attempt cannot
+    start. The summary used to say ``"executions": []``, as if nothing had
+    run, though the first attempt ran (and may have made calls)."""
+    shared = plan_file.parent.parent / "shared"
+    shared.mkdir()
+    agent = shared / "agent.sh"
+    agent.write_text('#!/bin/sh\nrm -f "$0"\nexit 7\n')
+    agent.chmod(0o755)
+    if os.geteuid() == 0:  # the guests' uid must delete it
+        for path in (shared, agent):
+            os.chown(path, 65534, 65534)
+    done = hostcall(
+        "run",
+        *("--state-dir", str(tmp_path / "st"), "--plan", str(plan_file)),
+        *("--attempts", "2", "--json", "--", str(agent)),
+    )
+    summary = json.loads(done.stderr.strip().splitlines()[-1])
+    assert done.returncode == 7, done.stderr
+    assert [e["exit_code"] for e in summary["executions"]] == [7]
+    assert summary["error"].startswith("attempt 2 could not start:"), summary
+    assert ": attempt 2 could not start: [Errno 2] No such file or directory" in done.stderr
+
+
 def test_a_memory_limit_is_reported_and_exits_125(tmp_path: Path, plan_file: Path) -> None:
     code = (
         "x = bytearray(400 * 2**20); x[::4096] = b'1' * len(x[::4096]); import time; time.sleep(30)"
