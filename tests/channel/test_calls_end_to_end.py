@@ -284,16 +284,23 @@ async def test_a_handler_past_its_time_limit_is_cancelled_and_its_outcome_is_unk
             raise
         return "never"
 
-    plan = Plan([hangs, _echo], name="time-limit-test")
+    await _in_doubt_twice_then_served(sup, hangs)
+    assert (ledger.runs["hangs"], ledger.runs["hangs cancelled"]) == (1, 1)
+
+
+async def _in_doubt_twice_then_served(sup: Supervisor, handler: Any) -> None:
+    """Call ``handler`` (a tool taking no arguments) and retry it: both are
+    409 ambiguous unknown; the guest's next call is still served."""
+    plan = Plan([handler, _echo], name="in-doubt-test")
+    name = handler.__name__
     async with driven_guest(sup, plan) as guest:
-        first = await guest.call("t1", "hangs", {})
-        retry = await guest.call("t1", "hangs", {})
-        after = await guest.call("t2", "echo", {"text": "still here"})
+        first = await guest.call("d1", name, {})
+        retry = await guest.call("d1", name, {})
+        after = await guest.call("d2", "echo", {"text": "still here"})
     for reply in (first, retry):
-        assert reply["status"] == 409
+        assert reply["status"] == 409, reply
         assert (reply["body"]["status"], reply["body"]["effect"]) == ("ambiguous", "unknown")
     assert after["status"] == 200 and after["body"]["result"] == "still here"
-    assert (ledger.runs["hangs"], ledger.runs["hangs cancelled"]) == (1, 1)
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
@@ -341,15 +348,7 @@ async def test_a_keyboard_interrupt_in_a_sync_handler_is_in_doubt_and_never_run_
         ledger.record("interrupted")
         raise KeyboardInterrupt
 
-    plan = Plan([interrupted, _echo], name="interrupted-test")
-    async with driven_guest(sup, plan) as guest:
-        first = await guest.call("k1", "interrupted", {})
-        retry = await guest.call("k1", "interrupted", {})
-        after = await guest.call("k2", "echo", {"text": "still here"})
-    for reply in (first, retry):
-        assert reply["status"] == 409, reply
-        assert (reply["body"]["status"], reply["body"]["effect"]) == ("ambiguous", "unknown")
-    assert after["status"] == 200
+    await _in_doubt_twice_then_served(sup, interrupted)
     assert ledger.runs["interrupted"] == 1
 
 
