@@ -319,7 +319,8 @@ class WasmGuest:
         imports: What the imports call (the supervisor's one :class:`Imports`).
         workdir: A host folder preopened as the guest's ``.``, or None.
         on_instance: Called on the loop once its instance is made, before
-            any of its code runs (a guest that cannot be linked never is).
+            ``_start`` or ``run`` (a guest that cannot be linked never is; a
+            module's start section has run by then, inside the instantiation).
     """
 
     def __init__(
