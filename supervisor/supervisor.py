@@ -613,7 +613,8 @@ class Supervisor:
                 launch.limits,
                 imports=self._imports,
                 workdir=plan.sandbox.workdir,
-                # Its instance is its start: a module that cannot be linked fences nothing.
+                # Its instance (or a start section's first call) is its start:
+                # a module that cannot be linked fences nothing.
                 on_instance=lambda: self._fence_older(execution),
             )
         except BaseException:

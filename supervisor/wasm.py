@@ -318,9 +318,11 @@ class WasmGuest:
             time; the caller enforces ``timeout_s`` (it calls :meth:`stop`).
         imports: What the imports call (the supervisor's one :class:`Imports`).
         workdir: A host folder preopened as the guest's ``.``, or None.
-        on_instance: Called on the loop once its instance is made, before
-            ``_start`` or ``run`` (a guest that cannot be linked never is; a
-            module's start section has run by then, inside the instantiation).
+        on_instance: Called on the loop once, when the guest starts: its
+            instance is made, or its first import call comes (a module's start
+            section runs inside the instantiation), whichever is first. Queued
+            before that call, so it runs before the call is served. A guest
+            that cannot be linked and calls nothing never starts.
     """
 
     def __init__(
@@ -355,6 +357,7 @@ class WasmGuest:
         self._wasi.stderr_custom = self.stderr.sink()
         if workdir is not None:
             self._wasi.preopen_dir(str(workdir), ".")
+        self._started = False  # on_instance queued
         #: The last reply, for ``reply`` (a guest's buffer was too small).
         self._reply = b""
 
@@ -529,6 +532,11 @@ class WasmGuest:
     # -- a component's imports: strings in, (status, string) out -----------------
 
     def _instantiated(self) -> None:
+        """It started: queue ``on_instance`` once, on its thread (the loop
+        runs what is queued in order, so before any call queued after)."""
+        if self._started:
+            return
+        self._started = True
         if self._on_instance is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
                 self._loop.call_soon_threadsafe(self._on_instance)
@@ -577,6 +585,7 @@ class WasmGuest:
 
     def _await(self, job: Coroutine[Any, Any, tuple[int, bytes]]) -> tuple[int, bytes]:
         """Run ``job`` on the loop; block the guest's thread until it answers."""
+        self._instantiated()  # a start section's call: it started (SPEC §2)
         future = asyncio.run_coroutine_threadsafe(job, self._loop)
         while True:
             try:

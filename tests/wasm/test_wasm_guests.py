@@ -724,3 +724,50 @@ async def test_a_component_importing_more_than_wasi_and_host_is_refused(tmp_path
     async with Supervisor(tmp_path / "state") as sup:
         with pytest.raises(WasmError, match="imports evil:net/raw"):
             await sup.run(scenario_plan(Ledger()), [], wasm=tmp_path / "c.wat")
+
+
+#: Charges from its start section, inside the instantiation, before ``_start``.
+WAT_CHARGES_IN_START = """
+(module
+  (import "hostcall" "call" (func $call (param i32 i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 0) "{data}")
+  (func $early
+    (drop (call $call (i32.const 0) (i32.const {size})
+      (i32.const 1024) (i32.const 4096) (i32.const 512))))
+  (start $early)
+  (func (export "_start")))
+""".format(data=CHARGE.replace('"', '\\"'), size=len(CHARGE))
+
+
+async def test_a_modules_start_section_is_served_only_once_the_older_attempt_is_fenced(
+    tmp_path: Path,
+) -> None:
+    """A core module's start section runs inside the instantiation, before
+    the instance exists, and may call the imports. Its first call fences
+    the older attempt before it is served: the handler never runs while
+    two attempts of the invocation are live."""
+    (tmp_path / "early.wat").write_text(WAT_CHARGES_IN_START)
+    seen: list[list[str]] = []
+    async with Supervisor(tmp_path / "state", sandbox=False) as sup:
+
+        @tool(reversibility="irreversible", target_args=["account"], cost=1)
+        def charge(account: str, cents: int) -> str:
+            seen.append([e.state for e in sup.executions("inv_s")])
+            return "charged"
+
+        plan = Plan([charge], name="wasm-test")
+        live = asyncio.ensure_future(sup.run(plan, ["/bin/sleep", "30"], invocation_id="inv_s"))
+        try:
+            await wait_until(
+                lambda: [e.launched.is_set() for e in sup.executions("inv_s")] == [True],
+                "the live attempt started",
+            )
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                early = await sup.run(plan, [], invocation_id="inv_s", wasm=tmp_path / "early.wat")
+                older = await live
+        finally:
+            live.cancel()
+    assert early.last.reason == "exited" and early.exit_status == 0
+    assert older.last.reason == "fenced"
+    assert seen == [["fenced", "running"]]
