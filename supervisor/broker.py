@@ -14,6 +14,7 @@ import asyncio
 import inspect
 import json
 import logging
+import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Set
@@ -462,9 +463,10 @@ class Broker:
         except KeyboardInterrupt as exc:
             # In doubt: a SIGINT lands wherever the main thread is, after the
             # effect as likely as before. On the loop (an async handler) it may
-            # be the operator's Ctrl-C, of a host program that lets Python turn
-            # SIGINT into KeyboardInterrupt: recorded, then passed on.
-            if tool.is_async:
+            # be the operator's Ctrl-C, where Python turns SIGINT into
+            # KeyboardInterrupt: recorded, then passed on. Anywhere else it is
+            # the handler's own, and answered.
+            if tool.is_async and _sigint_raises():
                 await self._settle(unknown(self.invocation_id, call.call_id, self.clock()))
                 raise
             in_doubt = exc
@@ -603,6 +605,15 @@ class Broker:
             started_at=started_at,
             finished_at=self.clock(),
         )
+
+
+def _sigint_raises() -> bool:
+    """Whether Python itself turns a SIGINT into KeyboardInterrupt here: its
+    default handler is installed (``run_until_complete`` with no handler of
+    the loop's). Not under ``hostcall run`` or ``serve``, nor after a host
+    program's ``loop.add_signal_handler``; ``asyncio.run`` cancels its main
+    task on the first Ctrl-C."""
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def _key_of(tool: str, canonical_args: dict[str, Any]) -> tuple[str, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -349,6 +350,29 @@ async def test_a_keyboard_interrupt_in_a_sync_handler_is_in_doubt_and_never_run_
         raise KeyboardInterrupt
 
     await _in_doubt_twice_then_served(sup, interrupted)
+    assert ledger.runs["interrupted"] == 1
+
+
+async def test_an_async_handlers_own_keyboard_interrupt_is_in_doubt_where_sigint_cannot_raise_it(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    """Where the loop handles SIGINT (``hostcall run``, ``serve``, a host
+    program's ``add_signal_handler``), Python never turns it into a
+    KeyboardInterrupt: one in an async handler is the handler's own. It
+    was passed on and stopped the supervisor, every guest with it; it is
+    in doubt, answered, and the supervisor goes on, as for a sync handler."""
+
+    @tool(reversibility="irreversible")
+    async def interrupted_async() -> int:
+        ledger.record("interrupted")
+        raise KeyboardInterrupt
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, lambda: None)
+    try:
+        await _in_doubt_twice_then_served(sup, interrupted_async)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
     assert ledger.runs["interrupted"] == 1
 
 
