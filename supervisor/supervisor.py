@@ -9,7 +9,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +63,7 @@ from supervisor.terminal import StdinRelay, is_terminal
 from supervisor.tracking import TreeTracker, become_subreaper
 
 if TYPE_CHECKING:
-    from supervisor.wasm import Compiled, ModuleCache, WasmOutcome
+    from supervisor.wasm import Compiled, ModuleCache, WasmGuest, WasmOutcome
 
 __all__ = ["ExecutionOutcome", "Limits", "RunOutcome", "Supervisor"]
 
@@ -160,7 +160,7 @@ class Supervisor:
         self._channel: ChannelServer | None = None
         self._admin: AdminServer | None = None
         self._launched: set[asyncio.Task[RunOutcome]] = set()
-        self._stopping: set[asyncio.Future[None]] = set()
+        self._stopping: set[asyncio.Future[ExecutionOutcome]] = set()
         self._executor: ThreadPoolExecutor | None = None
         self._cgroups: CgroupHost | None = None
         self._host_log: HostLog | None = None
@@ -356,6 +356,8 @@ class Supervisor:
             WasmError: the module is not one hostcall can run.
             WasmBusy: too many WebAssembly guests stopped while asleep in WASI
                 have not woken yet (:data:`MAX_ASLEEP_WASM`).
+            Whatever ``on_start`` raises, as it is (its guest is stopped and
+            its execution retired all the same).
         """
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
@@ -383,14 +385,18 @@ class Supervisor:
             if attempt:
                 delay = min(ATTEMPT_BACKOFF_S * 2 ** (attempt - 1), ATTEMPT_BACKOFF_MAX_S)
                 await asyncio.sleep(delay)
-            invocation = await self._open_invocation(plan, invocation_id)
+            failure: OSError | HostcallError | None = None
             try:
+                with _not_started():
+                    invocation = await self._open_invocation(plan, invocation_id)
                 outcome = await self._run_once(plan, invocation_id, invocation, launch)
-            except (OSError, HostcallError) as exc:
+            except _NotStarted as not_started:
+                failure = not_started.error
+            if failure is not None:
                 if not outcomes:
-                    raise
+                    raise failure  # outside the except: no _NotStarted in its context
                 # The attempts before it ran: their outcomes are the answer.
-                why = f"attempt {attempt + 1} could not start: {exc}"
+                why = f"attempt {attempt + 1} could not start: {failure}"
                 logger.error("invocation %s: %s", invocation_id, why)
                 return RunOutcome(invocation_id, tuple(outcomes), why)
             outcomes.append(outcome)
@@ -506,21 +512,24 @@ class Supervisor:
 
         started = time.monotonic()
         try:
-            guest = await launcher.start(
-                execution.execution_id,
-                launch.argv,
-                env=guest_environment(os.environ if launch.env is None else launch.env, identity),
-                credential=credential,
-                limits=launch.limits,
-                on_violation=execution.stop_for,
-                policy=plan.sandbox,
-                plan_key=plan.plan_hash,
-                plan_path=plan.path,
-                cwd=launch.cwd,
-                stdin=asyncio.subprocess.PIPE if relay_stdin else launch.stdin,
-                stdout=asyncio.subprocess.PIPE if capture_out else launch.stdout,
-                stderr=asyncio.subprocess.PIPE if capture_err else launch.stderr,
-            )
+            with _not_started():
+                guest = await launcher.start(
+                    execution.execution_id,
+                    launch.argv,
+                    env=guest_environment(
+                        os.environ if launch.env is None else launch.env, identity
+                    ),
+                    credential=credential,
+                    limits=launch.limits,
+                    on_violation=execution.stop_for,
+                    policy=plan.sandbox,
+                    plan_key=plan.plan_hash,
+                    plan_path=plan.path,
+                    cwd=launch.cwd,
+                    stdin=asyncio.subprocess.PIPE if relay_stdin else launch.stdin,
+                    stdout=asyncio.subprocess.PIPE if capture_out else launch.stdout,
+                    stderr=asyncio.subprocess.PIPE if capture_err else launch.stderr,
+                )
         except BaseException:
             self._never_started(execution)
             raise
@@ -543,7 +552,7 @@ class Supervisor:
             process.stderr if capture_err else None,
         )
         del credential  # the redactors hold it until the guest's output ends
-        reason: EndReason = "exited"
+        reason: EndReason = "cancelled"  # unless it ends by itself or for a limit
         try:
             await _started(launch, execution)
             reason = await _wait_for_guest(process, execution, launch.limits.timeout_s)
@@ -552,21 +561,41 @@ class Supervisor:
             execution.end()
             if relay_stdin and process.stdin is not None:
                 StdinRelay.shared().detach(process.stdin)
-            # Shielded, and awaited by aclose() too: a cancelled run still ends
-            # every process of its guest.
-            stopping = asyncio.ensure_future(guest.stop(self._stop_grace_s))
-            self._stopping.add(stopping)
-            stopping.add_done_callback(self._stopping.discard)
-            await asyncio.shield(stopping)
-            if pumps:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._stop_grace_s):
-                        await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
-        # Its calls' live count, not a copy: a dispatched call runs on after its
-        # guest has gone (nothing cancels it halfway) and is counted when it ends.
-        outcome = guest.outcome(reason, time.monotonic() - started, execution.calls())
-        self._retire(execution, outcome)
+
+            async def stop() -> ExecutionOutcome:
+                await guest.stop(self._stop_grace_s)
+                await self._drain(pumps)
+                # Its calls' live count, not a copy: a dispatched call runs on after
+                # its guest has gone (nothing cancels it halfway), counted when it ends.
+                return guest.outcome(reason, time.monotonic() - started, execution.calls())
+
+            outcome = await self._wind_down(execution, stop())
         return outcome
+
+    async def _wind_down(
+        self, execution: Execution, stop: Coroutine[Any, Any, ExecutionOutcome]
+    ) -> ExecutionOutcome:
+        """Stop what is left of an ended execution's guest, then retire it.
+        Shielded, and awaited by aclose() too: a run cancelled, or whose
+        ``on_start`` raised, still ends every process of its guest, and its
+        execution still gets its outcome."""
+
+        async def stop_then_retire() -> ExecutionOutcome:
+            outcome = await stop
+            self._retire(execution, outcome)
+            return outcome
+
+        stopping = asyncio.ensure_future(stop_then_retire())
+        self._stopping.add(stopping)
+        stopping.add_done_callback(self._stopping.discard)
+        return await asyncio.shield(stopping)
+
+    async def _drain(self, pumps: list[asyncio.Task[None]]) -> None:
+        """Let the guest's output pumps log what is left (bounded)."""
+        if pumps:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._stop_grace_s):
+                    await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
 
     def _retire(self, execution: Execution, outcome: ExecutionOutcome) -> None:
         """It ended and nothing of it runs: keep its outcome, free the rest."""
@@ -596,27 +625,29 @@ class Supervisor:
     ) -> ExecutionOutcome:
         """One attempt of a WebAssembly guest: an instance bound to a new
         execution, its calls through the same broker (docs/wasm.md)."""
-        from supervisor.wasm import WasmGuest, WasmOutcome
+        from supervisor.wasm import WasmGuest
 
-        self._check_wasm_room()  # again for each attempt: others may have fallen asleep since
-        compiled = await self._wasm_modules(module_path)
+        with _not_started():
+            self._check_wasm_room()  # again for each attempt: others may have fallen asleep
+            compiled = await self._wasm_modules(module_path)
         _, digest = mint_credential()  # nobody holds it: no socket call can be this execution
         execution = self._new_execution(plan, invocation_id, invocation, digest, launch)
         env = guest_environment(launch.env or {}, _identity(plan, execution, None))
         started = time.monotonic()
         try:
-            guest = WasmGuest(
-                compiled,
-                [module_path.name, *launch.argv],
-                env,
-                execution,
-                launch.limits,
-                imports=self._imports,
-                workdir=plan.sandbox.workdir,
-                # Its instance (or a start section's first call) is its start:
-                # a module that cannot be linked fences nothing.
-                on_instance=lambda: self._fence_older(execution),
-            )
+            with _not_started():
+                guest = WasmGuest(
+                    compiled,
+                    [module_path.name, *launch.argv],
+                    env,
+                    execution,
+                    launch.limits,
+                    imports=self._imports,
+                    workdir=plan.sandbox.workdir,
+                    # Its instance (or a start section's first call) is its start:
+                    # a module that cannot be linked fences nothing.
+                    on_instance=lambda: self._fence_older(execution),
+                )
         except BaseException:
             self._never_started(execution)
             raise
@@ -630,7 +661,6 @@ class Supervisor:
             guest.stderr.reader if launch.stderr is None else None,
         )
         running = asyncio.ensure_future(guest.run())
-        result: WasmOutcome | None = None
         try:
             await _started(launch, execution)
             reason = await _wait_for_wasm(running, execution, launch.limits.timeout_s)
@@ -639,43 +669,52 @@ class Supervisor:
         finally:
             execution.end()
             guest.stop(execution.stop_reason or "cancelled")  # a no-op once it ended
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._stop_grace_s + STOPPED_SLACK_S):
-                    result = await asyncio.shield(running)
-            if pumps:
+
+            async def stop() -> ExecutionOutcome:
+                result: WasmOutcome | None = None
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._stop_grace_s):
-                        await asyncio.shield(asyncio.gather(*pumps, return_exceptions=True))
-        if result is None:
-            logger.error("WebAssembly guest of %s did not stop in time", execution.execution_id)
-            self._asleep.add(running)
-            running.add_done_callback(self._asleep.discard)
-            # Asleep in a component's WASI call (docs/wasm.md): its thread is
-            # left to it, and the execution ends for what stopped it.
-            result = WasmOutcome(None, guest.stop_reason or "cancelled", 0.0, 0, "did not stop")
-        if result.trap is not None:
-            logger.warning(
-                "the WebAssembly guest trapped: %s",
-                result.trap,
-                extra=about(invocation_id, execution.execution_id, self.state.logs_dir),
-            )
-        reason = result.reason
-        if reason in ("exited", "signalled") and execution.state is ExecutionState.FENCED:
-            reason = "fenced"
-        outcome = ExecutionOutcome(
-            execution_id=execution.execution_id,
-            exit_code=result.exit_code,
-            signal=None,
-            reason=reason,
-            duration_s=time.monotonic() - started,
-            cpu_s=result.cpu_s,
-            peak_rss_bytes=result.peak_memory_bytes or None,
-            peak_processes=0,
-            calls=execution.calls(),  # live, as for a native guest
-            sandbox=guest.sandbox,
-        )
-        self._retire(execution, outcome)
+                    async with asyncio.timeout(self._stop_grace_s + STOPPED_SLACK_S):
+                        result = await asyncio.shield(running)
+                await self._drain(pumps)
+                if result is None:
+                    result = self._left_asleep(execution, guest, running)
+                if result.trap is not None:
+                    logger.warning(
+                        "the WebAssembly guest trapped: %s",
+                        result.trap,
+                        extra=about(invocation_id, execution.execution_id, self.state.logs_dir),
+                    )
+                reason = result.reason
+                if reason in ("exited", "signalled") and execution.state is ExecutionState.FENCED:
+                    reason = "fenced"
+                return ExecutionOutcome(
+                    execution_id=execution.execution_id,
+                    exit_code=result.exit_code,
+                    signal=None,
+                    reason=reason,
+                    duration_s=time.monotonic() - started,
+                    cpu_s=result.cpu_s,
+                    peak_rss_bytes=result.peak_memory_bytes or None,
+                    peak_processes=0,
+                    calls=execution.calls(),  # live, as for a native guest
+                    sandbox=guest.sandbox,
+                )
+
+            outcome = await self._wind_down(execution, stop())
         return outcome
+
+    def _left_asleep(
+        self, execution: Execution, guest: WasmGuest, running: asyncio.Future[WasmOutcome]
+    ) -> WasmOutcome:
+        """A WebAssembly guest that did not stop in time: asleep in a
+        component's WASI call (docs/wasm.md). Its thread is left to it, and
+        the execution ends for what stopped it."""
+        from supervisor.wasm import WasmOutcome
+
+        logger.error("WebAssembly guest of %s did not stop in time", execution.execution_id)
+        self._asleep.add(running)
+        running.add_done_callback(self._asleep.discard)
+        return WasmOutcome(None, guest.stop_reason or "cancelled", 0.0, 0, "did not stop")
 
     def _check_wasm_room(self) -> None:
         """Refuse a new WebAssembly guest while :data:`MAX_ASLEEP_WASM` that
@@ -848,6 +887,26 @@ class Supervisor:
             task.result()  # raises why it did not start
             raise RuntimeError("the guest ended before it started")
         return started.result()
+
+
+class _NotStarted(Exception):
+    """An attempt's guest never started, for ``error``: :meth:`Supervisor.run`
+    keeps the attempts before it. Anything raised once a guest has started
+    (a caller's ``on_start``, a cancel) is not this, and passes as it is."""
+
+    def __init__(self, error: OSError | HostcallError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@contextlib.contextmanager
+def _not_started() -> Iterator[None]:
+    """Code that runs before an attempt's guest starts: what fails in it means
+    the attempt never started."""
+    try:
+        yield
+    except (OSError, HostcallError) as exc:
+        raise _NotStarted(exc) from None
 
 
 async def _started(launch: _Launch, execution: Execution) -> None:

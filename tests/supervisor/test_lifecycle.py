@@ -8,11 +8,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from supervisor import Supervisor
+from supervisor.errors import StoreUnavailable
 from supervisor.executions import Execution
 from supervisor.limits import Limits
 from supervisor.reaper import Reaper
@@ -389,3 +391,96 @@ async def test_a_call_that_finishes_after_its_guest_exited_is_counted_in_its_exe
     await wait_until(lambda: dict(outcome.calls) == {"executed": 1}, "the late call counted")
     assert before == {}
     assert ledger.runs["slow_charge"] == 1
+
+
+#: Loops until it is stopped (the epoch), as a native guest sleeps.
+WAT_LOOPS = '(module (memory (export "memory") 1) (func (export "_start") (loop (br 0))))'
+
+
+def _retired(sup: Supervisor, invocation_id: str) -> list[tuple[object, str | None]]:
+    """Its executions as the admin API shows them: state, and the outcome's reason."""
+    return [
+        (e.describe()["state"], e.outcome.reason if e.outcome is not None else None)
+        for e in sup.executions(invocation_id)
+    ]
+
+
+@pytest.mark.parametrize("guest", ["native", "wasm"])
+@pytest.mark.parametrize("end", ["on_start raises", "run cancelled"])
+async def test_a_run_that_ends_by_an_error_or_a_cancel_still_retires_its_execution(
+    sup: Supervisor, ledger: Ledger, tmp_path: Path, guest: str, end: str
+) -> None:
+    """The run's guest is stopped either way; its execution used to stay
+    ``stopping`` for ever, with no outcome and its broker held."""
+    (tmp_path / "loops.wat").write_text(WAT_LOOPS)
+    launched: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def on_start(execution: Execution) -> None:
+        launched.set_result(None)
+        if end == "on_start raises":
+            raise RuntimeError("the caller's own bookkeeping failed")
+
+    plan = billing_plan(ledger)
+    if guest == "native":
+        running = sup.run(plan, ["/bin/sleep", "30"], invocation_id="inv_e", on_start=on_start)
+    else:
+        wasm = tmp_path / "loops.wat"
+        running = sup.run(plan, [], invocation_id="inv_e", on_start=on_start, wasm=wasm)
+    run = asyncio.ensure_future(running)
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        await launched
+        if end == "run cancelled":
+            run.cancel()
+        with pytest.raises((RuntimeError, asyncio.CancelledError)):
+            await run
+    await wait_until(lambda: _retired(sup, "inv_e") == [("ended", "cancelled")], "retired")
+
+
+async def test_an_on_start_error_on_a_relaunch_is_the_callers_not_a_start_failure(
+    sup: Supervisor, ledger: Ledger
+) -> None:
+    """The caller's ``on_start`` raising an OSError on the second attempt was
+    reported as "attempt 2 could not start", and that attempt, which ran,
+    was left out. It is the caller's error: raised, both attempts retired."""
+    starts = []
+
+    def on_start(execution: Execution) -> None:
+        starts.append(execution.execution_id)
+        if len(starts) == 2:
+            raise PermissionError("the caller's pid file")
+
+    with pytest.raises(PermissionError):
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await sup.run(
+                billing_plan(ledger), ["/bin/sh", "-c", "exit 3"], invocation_id="inv_o",
+                attempts=2, on_start=on_start,
+            )  # fmt: skip
+    assert [e.execution_id for e in sup.executions("inv_o")] == starts
+    await wait_until(
+        lambda: [state for state, _ in _retired(sup, "inv_o")] == ["ended", "ended"], "retired"
+    )
+
+
+async def test_a_store_that_fails_before_a_relaunch_keeps_the_attempts_that_ran(
+    sup: Supervisor, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reopening the invocation for a relaunch failed (the store went away):
+    run() raised and the attempt that ran was lost from its answer."""
+    opened = sup.store.open_invocation
+    calls = 0
+
+    async def fails_the_third_time(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1  # once before the attempts, once per attempt
+        if calls == 3:
+            raise StoreUnavailable("the database went away")
+        return await opened(*args, **kwargs)
+
+    monkeypatch.setattr(sup.store, "open_invocation", fails_the_third_time)
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        outcome = await sup.run(
+            billing_plan(ledger), ["/bin/sh", "-c", "exit 3"], invocation_id="inv_s", attempts=2
+        )
+    assert [e.exit_code for e in outcome.executions] == [3]
+    assert outcome.exit_status == 3
+    assert outcome.error == "attempt 2 could not start: the database went away"
