@@ -569,20 +569,49 @@ class Supervisor:
                 # its guest has gone (nothing cancels it halfway), counted when it ends.
                 return guest.outcome(reason, time.monotonic() - started, execution.calls())
 
-            outcome = await self._wind_down(execution, stop())
+            outcome = await self._wind_down(execution, stop(), reason, started)
         return outcome
 
     async def _wind_down(
-        self, execution: Execution, stop: Coroutine[Any, Any, ExecutionOutcome]
+        self,
+        execution: Execution,
+        stop: Coroutine[Any, Any, ExecutionOutcome],
+        reason: EndReason,
+        started: float,
     ) -> ExecutionOutcome:
         """Stop what is left of an ended execution's guest, then retire it.
         Shielded, and awaited by aclose() too: a run cancelled, or whose
         ``on_start`` raised, still ends every process of its guest, and its
-        execution still gets its outcome."""
+        execution still gets its outcome. It never raises into the run: if
+        stopping fails, that is logged and the outcome says only ``reason``."""
 
         async def stop_then_retire() -> ExecutionOutcome:
-            outcome = await stop
-            self._retire(execution, outcome)
+            outcome: ExecutionOutcome | None = None
+            try:
+                outcome = await stop
+            except Exception:  # boundary: the run's own error or cancel goes on
+                logger.exception(
+                    "stopping the guest of %s failed",
+                    execution.execution_id,
+                    extra=about(
+                        execution.invocation_id, execution.execution_id, self.state.logs_dir
+                    ),
+                )
+            finally:
+                if outcome is None:
+                    outcome = ExecutionOutcome(
+                        execution_id=execution.execution_id,
+                        exit_code=None,
+                        signal=None,
+                        reason=reason,
+                        duration_s=time.monotonic() - started,
+                        cpu_s=0.0,
+                        peak_rss_bytes=None,
+                        peak_processes=0,
+                        calls=execution.calls(),
+                        sandbox=execution.sandbox,
+                    )
+                self._retire(execution, outcome)
             return outcome
 
         stopping = asyncio.ensure_future(stop_then_retire())
@@ -661,6 +690,7 @@ class Supervisor:
             guest.stderr.reader if launch.stderr is None else None,
         )
         running = asyncio.ensure_future(guest.run())
+        reason: EndReason = "cancelled"  # unless it ends by itself or for a limit
         try:
             await _started(launch, execution)
             reason = await _wait_for_wasm(running, execution, launch.limits.timeout_s)
@@ -684,14 +714,14 @@ class Supervisor:
                         result.trap,
                         extra=about(invocation_id, execution.execution_id, self.state.logs_dir),
                     )
-                reason = result.reason
-                if reason in ("exited", "signalled") and execution.state is ExecutionState.FENCED:
-                    reason = "fenced"
+                ended = result.reason
+                if ended in ("exited", "signalled") and execution.state is ExecutionState.FENCED:
+                    ended = "fenced"
                 return ExecutionOutcome(
                     execution_id=execution.execution_id,
                     exit_code=result.exit_code,
                     signal=None,
-                    reason=reason,
+                    reason=ended,
                     duration_s=time.monotonic() - started,
                     cpu_s=result.cpu_s,
                     peak_rss_bytes=result.peak_memory_bytes or None,
@@ -700,7 +730,7 @@ class Supervisor:
                     sandbox=guest.sandbox,
                 )
 
-            outcome = await self._wind_down(execution, stop())
+            outcome = await self._wind_down(execution, stop(), reason, started)
         return outcome
 
     def _left_asleep(

@@ -232,8 +232,9 @@ def _check_imports(module: wasmtime.Module, path: Path) -> None:
                 )
         elif item.module != WASI_MODULE:
             raise WasmError(f"{path} imports from {item.module!r}: only {WASI_MODULE} and hostcall")
-    if not any(item.name == "_start" for item in module.exports):
-        raise WasmError(f"{path} exports no _start: it is not a WASI command")
+    start = next((item.type for item in module.exports if item.name == "_start"), None)
+    if not isinstance(start, wasmtime.FuncType) or start.params:
+        raise WasmError(f"{path} exports no _start function: it is not a WASI command")
 
 
 @dataclass(frozen=True, slots=True)

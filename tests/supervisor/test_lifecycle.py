@@ -16,6 +16,7 @@ import pytest
 from supervisor import Supervisor
 from supervisor.errors import StoreUnavailable
 from supervisor.executions import Execution
+from supervisor.guests import RunningGuest
 from supervisor.limits import Limits
 from supervisor.reaper import Reaper
 from supervisor.sandbox import SandboxPolicy
@@ -484,3 +485,34 @@ async def test_a_store_that_fails_before_a_relaunch_keeps_the_attempts_that_ran(
     assert [e.exit_code for e in outcome.executions] == [3]
     assert outcome.exit_status == 3
     assert outcome.error == "attempt 2 could not start: the database went away"
+
+
+async def test_a_cancelled_run_whose_guest_fails_to_stop_stays_cancelled_and_is_retired(
+    sup: Supervisor,
+    ledger: Ledger,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stopping the guest raised (after it had stopped): the cancelled run
+    raised that OSError instead of CancelledError, which ``asyncio.timeout``
+    and task groups rely on, and the execution stayed ``stopping``."""
+    stop = RunningGuest.stop
+
+    async def stops_then_fails(self: RunningGuest, grace_s: float) -> None:
+        await stop(self, grace_s)
+        raise OSError("the cgroup could not be removed")
+
+    monkeypatch.setattr(RunningGuest, "stop", stops_then_fails)
+    launched: asyncio.Future[Execution] = asyncio.get_running_loop().create_future()
+    run = asyncio.ensure_future(
+        sup.run(billing_plan(ledger), ["/bin/sleep", "30"], invocation_id="inv_f",
+                on_start=launched.set_result)
+    )  # fmt: skip
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        await launched
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    await wait_until(lambda: _retired(sup, "inv_f") == [("ended", "cancelled")], "retired")
+    assert "stopping the guest of" in caplog.text
+    assert "the cgroup could not be removed" in caplog.text

@@ -398,6 +398,12 @@ WAT_SHARED_MEMORY = '(module (memory (export "memory") 1 1 shared) (func (export
 #: A second memory: each would have had the whole --memory (F29).
 WAT_TWO_MEMORIES = '(module (memory (export "memory") 1) (memory 1) (func (export "_start")))'
 WAT_NO_START = '(module (memory (export "memory") 1))'
+#: ``_start`` a global: it got past the checks and failed an assert on the
+#: guest's thread, and its execution stayed ``stopping`` for ever.
+WAT_START_GLOBAL = (
+    '(module (memory (export "memory") 1) (global (export "_start") i32 (i32.const 0)))'
+)
+WAT_START_TAKES_ARGS = '(module (memory (export "memory") 1) (func (export "_start") (param i32)))'
 WAT_OTHER_IMPORT = '(module (import "env" "system" (func)) (func (export "_start")))'
 WAT_UNKNOWN_HOSTCALL = '(module (import "hostcall" "exec" (func)) (func (export "_start")))'
 
@@ -500,6 +506,8 @@ def huge_agent(tmp_path: Path) -> Path:
         (WAT_SHARED_MEMORY, "is not a WebAssembly module"),
         (WAT_TWO_MEMORIES, "is not a WebAssembly module"),
         (WAT_NO_START, "exports no _start"),
+        (WAT_START_GLOBAL, "exports no _start function"),
+        (WAT_START_TAKES_ARGS, "exports no _start function"),
         (WAT_OTHER_IMPORT, "imports from 'env'"),
         (WAT_UNKNOWN_HOSTCALL, "imports hostcall.exec"),
     ],
@@ -508,6 +516,8 @@ def huge_agent(tmp_path: Path) -> Path:
         "threads",
         "two-memories",
         "no-start",
+        "start-a-global",
+        "start-takes-arguments",
         "other-import",
         "unknown-hostcall-import",
     ],
