@@ -15,6 +15,7 @@ import inspect
 import json
 import logging
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Set
@@ -608,12 +609,17 @@ class Broker:
 
 
 def _sigint_raises() -> bool:
-    """Whether Python itself turns a SIGINT into KeyboardInterrupt here: its
-    default handler is installed (``run_until_complete`` with no handler of
-    the loop's). Not under ``hostcall run`` or ``serve``, nor after a host
-    program's ``loop.add_signal_handler``; ``asyncio.run`` cancels its main
-    task on the first Ctrl-C."""
-    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    """Whether Python itself turns a SIGINT into KeyboardInterrupt here: on
+    the main thread (Python raises it nowhere else), with its default handler
+    installed (``run_until_complete`` with no handler of the loop's). Not
+    under ``hostcall run`` or ``serve``, nor after a host program's
+    ``loop.add_signal_handler``, nor on a loop in another thread.
+    ``asyncio.run`` cancels its main task on the first Ctrl-C; a second one,
+    or a host's own handler that raises, is taken for the handler's own."""
+    return (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
 
 
 def _key_of(tool: str, canonical_args: dict[str, Any]) -> tuple[str, int]:

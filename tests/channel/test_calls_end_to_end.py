@@ -368,11 +368,41 @@ async def test_an_async_handlers_own_keyboard_interrupt_is_in_doubt_where_sigint
         raise KeyboardInterrupt
 
     loop = asyncio.get_running_loop()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # not pytest's Runner's
     loop.add_signal_handler(signal.SIGINT, lambda: None)
     try:
         await _in_doubt_twice_then_served(sup, interrupted_async)
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, previous)
+    assert ledger.runs["interrupted"] == 1
+
+
+async def test_an_async_handlers_own_keyboard_interrupt_on_a_loop_in_a_thread_is_in_doubt(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    """Python raises a SIGINT's KeyboardInterrupt only in the main thread:
+    on a loop in another thread one is the handler's own, even with the
+    default SIGINT handler installed. It was passed on, and ended that loop."""
+
+    @tool(reversibility="irreversible")
+    async def interrupted_in_thread() -> int:
+        ledger.record("interrupted")
+        raise KeyboardInterrupt
+
+    async def on_its_own_loop() -> None:
+        async with Supervisor(tmp_path / "state", sandbox=False) as sup:
+            await _in_doubt_twice_then_served(sup, interrupted_in_thread)
+
+    # Python's own handler, as under run_until_complete (pytest-asyncio's
+    # Runner has its own while a test runs).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        await asyncio.wait_for(
+            asyncio.to_thread(asyncio.run, on_its_own_loop()), STEP_TIMEOUT_S * 2
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert ledger.runs["interrupted"] == 1
 
 
