@@ -273,20 +273,26 @@ class Supervisor:
     async def aclose(self) -> None:
         """Stop serving and release everything. Idempotent.
 
-        Guests launched through the admin API are stopped (their trees ended);
-        the caller's own :meth:`run` calls should have returned already.
+        Guests launched through the admin API are stopped (their trees ended).
+        The caller's own :meth:`run` calls should have returned already; any
+        still waiting on a running guest get their execution ended, and their
+        guests are stopped before this returns (bounded).
         """
         for task in list(self._launched):
             task.cancel()
         if self._launched:
             await asyncio.gather(*self._launched, return_exceptions=True)
-        if self._stopping:
-            # Guests of runs cancelled meanwhile: their stop goes on (bounded).
-            await asyncio.wait(
-                list(self._stopping), timeout=self._stop_grace_s * 3 + STOPPED_SLACK_S
-            )
+        running = [e for e in self._executions if e.launched.is_set() and e.outcome is None]
         for execution in self._executions:
-            execution.end()
+            execution.end()  # a run still waiting on its guest winds it down now
+        # Until each is retired (every process of it ended), and the stops of
+        # runs cancelled meanwhile; bounded.
+        retired = [asyncio.ensure_future(e.stopped.wait()) for e in running]
+        waits: list[asyncio.Future[Any]] = [*retired, *self._stopping]
+        if waits:
+            await asyncio.wait(waits, timeout=self._stop_grace_s * 3 + STOPPED_SLACK_S)
+        for waiting in retired:
+            waiting.cancel()
         if self._host_log is not None:
             logging.getLogger("supervisor").removeHandler(self._host_log)
             self._host_log = None

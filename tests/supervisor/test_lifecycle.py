@@ -516,3 +516,27 @@ async def test_a_cancelled_run_whose_guest_fails_to_stop_stays_cancelled_and_is_
     await wait_until(lambda: _retired(sup, "inv_f") == [("ended", "cancelled")], "retired")
     assert "stopping the guest of" in caplog.text
     assert "the cgroup could not be removed" in caplog.text
+
+
+async def test_closing_the_supervisor_under_a_running_run_stops_its_guest_before_it_returns(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    """A caller's run still waiting on its guest when the supervisor closed:
+    aclose() ended the execution but did not wait for the run to stop the
+    guest, which it then did against a closed supervisor, after the close
+    had returned, if at all."""
+    launched: asyncio.Future[Execution] = asyncio.get_running_loop().create_future()
+    async with Supervisor(tmp_path / "state", sandbox=False) as sup:
+        run = asyncio.ensure_future(
+            sup.run(billing_plan(ledger), ["/bin/sleep", "30"], on_start=launched.set_result)
+        )
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            execution = await launched
+        pid = execution.guest_pid
+        assert pid is not None and alive(pid)
+    assert not alive(pid)
+    assert execution.outcome is not None and execution.outcome.reason == "cancelled"
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        outcome = await run
+    assert outcome.last.reason == "cancelled"
+
