@@ -321,18 +321,21 @@ async def stop_sandbox(
 ) -> list[int]:
     """End a sandboxed guest: TERM to every process inside but pid 1, ``grace_s``,
     then KILL — the cgroup's atomic kill and SIGKILL to pid 1, which ends the
-    whole pid namespace at once. Returns the pids still inside afterwards
+    whole pid namespace at once. With nothing inside but pid 1 (stopped just
+    after its launch, before bubblewrap forked the guest) there is nobody to
+    be graceful to: KILL at once. Returns the pids still inside afterwards
     (empty unless the kernel refused to kill them).
     """
     if process.returncode is None:
         inside = cgroup.pids() if cgroup is not None else sandbox.members()
-        for pid in inside:
-            if pid != sandbox.init_pid:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGTERM)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(grace_s):
-                await wait_exited(process)
+        guests = [pid for pid in inside if pid != sandbox.init_pid]
+        for pid in guests:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        if guests:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace_s):
+                    await wait_exited(process)
     if process.returncode is None or not await sandbox.wait_gone(grace_s):
         if cgroup is not None:
             with contextlib.suppress(OSError):

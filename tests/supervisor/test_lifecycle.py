@@ -540,3 +540,22 @@ async def test_closing_the_supervisor_under_a_running_run_stops_its_guest_before
         outcome = await run
     assert outcome.last.reason == "cancelled"
 
+
+async def test_a_sandboxed_guest_stopped_as_it_launches_is_not_given_the_grace(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    """Stopped as soon as it launched, before bubblewrap had forked the
+    guest, the sandbox held only its pid 1: the TERM reached nobody and the
+    stop waited out the whole grace before its KILL. With nobody inside to
+    be graceful to, it is killed at once."""
+    async with Supervisor(tmp_path / "state", stop_grace_s=STEP_TIMEOUT_S * 2) as sup:
+
+        def fails(execution: Execution) -> None:
+            raise RuntimeError("the caller gave up at once")
+
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            for _ in range(5):  # the fork may come before the stop: not every time
+                with pytest.raises(RuntimeError):
+                    await sup.run(billing_plan(ledger), ["/bin/sleep", "30"], on_start=fails)
+        reasons = [e.outcome.reason if e.outcome else None for e in sup.executions()]
+    assert reasons == ["cancelled"] * 5
