@@ -30,7 +30,7 @@ from typing import IO, Any, Final
 from supervisor.cgroups import CgroupHost, ExecutionCgroup
 from supervisor.limits import EndReason, Limits
 from supervisor.outcomes import ExecutionOutcome
-from supervisor.process import CredentialTransport, launch_guest, stop_tree
+from supervisor.process import CredentialTransport, kill_tree, launch_guest, stop_tree
 from supervisor.sandbox import (
     SandboxError,
     SandboxHost,
@@ -38,7 +38,7 @@ from supervisor.sandbox import (
     SandboxPolicy,
     trusted_paths,
 )
-from supervisor.sandbox.start import Sandboxed, launch_sandboxed, stop_sandbox
+from supervisor.sandbox.start import Sandboxed, kill_sandbox, launch_sandboxed, stop_sandbox
 from supervisor.sandbox.usage import SandboxTree
 from supervisor.spawn import GuestProcess
 from supervisor.tracking import GuestTree, TreeTracker
@@ -111,6 +111,15 @@ class RunningGuest:
                     grace_s=grace_s,
                     orphans=lambda: launcher.tracker.orphans_of(tree),
                 )
+        except BaseException:
+            # It failed (or was cancelled) perhaps before its KILL: kill at
+            # once, for nothing of an ended execution may run on (S5).
+            if self._sandboxed is not None:
+                kill_sandbox(self._sandboxed, self._cgroup)
+            else:
+                assert isinstance(self.tree, GuestTree)
+                kill_tree(self.process, self.tree)
+            raise
         finally:
             launcher.tracker.untrack(self.execution_id)
             if isinstance(self.tree, SandboxTree):

@@ -153,6 +153,21 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def kill_tree(process: GuestProcess, tree: GuestTree) -> None:
+    """SIGKILL the guest's process group and every process of its tree, seen
+    or marked with its execution's id, with no grace: what a stop that failed
+    midway falls back on, so that nothing of an ended execution runs on.
+    Never raises: each way of finding them is tried on its own."""
+    found = {p.pid: p for p in tree.seen.values()}
+    with contextlib.suppress(Exception):  # boundary: the next way may still work
+        found.update((p.pid, p) for p in tree.members())
+    with contextlib.suppress(Exception):
+        found.update((p.pid, p) for p in tree.marked_processes(adopted_only=is_subreaper()))
+    _signal_all(process.pid, list(found.values()), signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, OSError):
+        process.kill()
+
+
 def _signal_all(pgid: int, members: list[psutil.Process], signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signum)

@@ -312,6 +312,16 @@ class CgroupPort(Protocol):
     def kill(self) -> None: ...
 
 
+def kill_sandbox(sandbox: Sandboxed, cgroup: CgroupPort | None = None) -> None:
+    """KILL the whole sandbox at once (the cgroup's atomic kill, SIGKILL to
+    pid 1), with no grace and nothing that can fail: what a stop that failed
+    midway falls back on."""
+    if cgroup is not None:
+        with contextlib.suppress(OSError):
+            cgroup.kill()
+    sandbox.signal(signal.SIGKILL)
+
+
 async def stop_sandbox(
     process: GuestProcess,
     sandbox: Sandboxed,
@@ -337,10 +347,7 @@ async def stop_sandbox(
                 async with asyncio.timeout(grace_s):
                     await wait_exited(process)
     if process.returncode is None or not await sandbox.wait_gone(grace_s):
-        if cgroup is not None:
-            with contextlib.suppress(OSError):
-                cgroup.kill()
-        sandbox.signal(signal.SIGKILL)
+        kill_sandbox(sandbox, cgroup)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace_s):
                 await wait_exited(process)

@@ -518,6 +518,43 @@ async def test_a_cancelled_run_whose_guest_fails_to_stop_stays_cancelled_and_is_
     assert "the cgroup could not be removed" in caplog.text
 
 
+async def test_a_stop_that_fails_before_its_kill_still_kills_the_whole_tree(
+    quick: Supervisor, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopping the guest raised before its KILL (the process scan out of
+    descriptors): the execution was retired ``ended`` while the guest and
+    its children ran on, though "ended" means nothing of it is alive (S5)."""
+
+    async def fails(*args: Any, **kwargs: Any) -> list[int]:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr("supervisor.guests.stop_tree", fails)
+    monkeypatch.setattr("supervisor.guests.stop_sandbox", fails)
+    started: asyncio.Future[Execution] = asyncio.get_running_loop().create_future()
+    run = asyncio.create_task(
+        quick.run(
+            billing_plan(ledger),
+            [sys.executable, "-c", TREE_GUEST],
+            stdout=asyncio.subprocess.PIPE,
+            on_start=started.set_result,
+        )
+    )
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        execution = await started
+        stdout = execution.process.stdout
+        assert stdout is not None
+        watch = TreeWatch(json.loads(await stdout.readline()), sandboxed=quick.sandboxed)
+        try:
+            assert await stdout.readline() == b"ready\n"
+            assert quick.cancel(execution.execution_id)
+            outcome = await run
+            assert outcome.last.reason == "cancelled"
+            assert execution.outcome is not None  # retired: it says nothing runs
+            await wait_until(lambda: watch.alive() == [], "the whole tree killed")
+        finally:
+            watch.close()
+
+
 async def test_closing_the_supervisor_under_a_running_run_stops_its_guest_before_it_returns(
     tmp_path: Path, ledger: Ledger
 ) -> None:
