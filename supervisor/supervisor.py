@@ -364,6 +364,10 @@ class Supervisor:
                 have not woken yet (:data:`MAX_ASLEEP_WASM`).
             Whatever ``on_start`` raises, as it is (its guest is stopped and
             its execution retired all the same).
+
+        An async ``on_start`` still running when its execution ends (a cancel,
+        a fence, a limit, :meth:`aclose`) or its timeout passes is cancelled,
+        and the guest stopped for that reason. The timeout counts from the start.
         """
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
@@ -560,8 +564,10 @@ class Supervisor:
         del credential  # the redactors hold it until the guest's output ends
         reason: EndReason = "cancelled"  # unless it ends by itself or for a limit
         try:
-            await _started(launch, execution)
-            reason = await _wait_for_guest(process, execution, launch.limits.timeout_s)
+            deadline = _deadline(launch.limits.timeout_s)
+            reason = await _started(launch, execution, deadline) or await _wait_for_guest(
+                process, execution, deadline
+            )
         finally:
             # The credential stops working the moment the execution ends.
             execution.end()
@@ -698,8 +704,10 @@ class Supervisor:
         running = asyncio.ensure_future(guest.run())
         reason: EndReason = "cancelled"  # unless it ends by itself or for a limit
         try:
-            await _started(launch, execution)
-            reason = await _wait_for_wasm(running, execution, launch.limits.timeout_s)
+            deadline = _deadline(launch.limits.timeout_s)
+            reason = await _started(launch, execution, deadline) or await _wait_for_wasm(
+                running, execution, deadline
+            )
             if reason != "exited":
                 guest.stop(reason)
         finally:
@@ -945,12 +953,51 @@ def _not_started() -> Iterator[None]:
         raise _NotStarted(exc) from None
 
 
-async def _started(launch: _Launch, execution: Execution) -> None:
-    """Tell the caller its guest runs (``on_start``, sync or async)."""
-    if launch.on_start is not None:
-        maybe = launch.on_start(execution)
-        if maybe is not None:
-            await maybe
+async def _started(
+    launch: _Launch, execution: Execution, deadline: float | None
+) -> EndReason | None:
+    """Tell the caller its guest runs (``on_start``, sync or async). An async
+    ``on_start`` still running when the execution ends (a cancel, a fence, a
+    limit, the supervisor closing) or its timeout passes is cancelled, and
+    that reason returned: the guest is not left running for as long as the
+    caller's code takes. None once ``on_start`` returned; what it raises, as is."""
+    if launch.on_start is None:
+        return None
+    maybe = launch.on_start(execution)
+    if maybe is None:
+        return None
+    told = asyncio.ensure_future(maybe)
+    ended = asyncio.ensure_future(execution.ended.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {told, ended}, timeout=_remaining(deadline), return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        ended.cancel()
+        if not told.done():
+            told.cancel()  # not awaited: its clean-up is the caller's, and may take long
+            told.add_done_callback(_log_late_failure)
+    if told in done:
+        told.result()
+        return None
+    return _why_ended(execution) if ended in done else "timeout"
+
+
+def _deadline(timeout_s: float | None) -> float | None:
+    """When a guest started now times out, on the loop's clock."""
+    return None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+
+
+def _remaining(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (None: no deadline)."""
+    return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+
+
+def _why_ended(execution: Execution) -> EndReason:
+    """Why an execution that ended before its guest did was ended."""
+    if execution.state is ExecutionState.FENCED:
+        return "fenced"
+    return execution.stop_reason or "cancelled"
 
 
 def _identity(plan: Plan, execution: Execution, socket: str | None) -> GuestIdentity:
@@ -969,7 +1016,7 @@ def _identity(plan: Plan, execution: Execution, socket: str | None) -> GuestIden
 
 
 async def _wait_for_wasm(
-    running: asyncio.Future[WasmOutcome], execution: Execution, timeout_s: float | None
+    running: asyncio.Future[WasmOutcome], execution: Execution, deadline: float | None
 ) -> EndReason:
     """:func:`_wait_for_guest` for a WebAssembly guest: it ends by itself
     (``exited``), or must be stopped for a cancel, a limit, a fence or the timeout."""
@@ -977,7 +1024,7 @@ async def _wait_for_wasm(
     waiting: set[asyncio.Future[Any]] = {running, stopped}
     try:
         done, _ = await asyncio.wait(
-            waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            waiting, timeout=_remaining(deadline), return_when=asyncio.FIRST_COMPLETED
         )
     finally:
         stopped.cancel()
@@ -985,36 +1032,29 @@ async def _wait_for_wasm(
         return "exited"
     if not done:
         return "timeout"
-    if execution.state is ExecutionState.FENCED:
-        return "fenced"
-    return execution.stop_reason or "cancelled"
+    return _why_ended(execution)
 
 
 async def _wait_for_guest(
-    process: GuestProcess, execution: Execution, timeout_s: float | None
+    process: GuestProcess, execution: Execution, deadline: float | None
 ) -> EndReason:
     """Wait until the guest exits (``exited``), its execution is cancelled
     (``cancelled``, or a limit's reason), fenced by a newer attempt
-    (``fenced``) or the timeout passes (``timeout``). The caller then ends
+    (``fenced``) or the ``deadline`` passes (``timeout``). The caller then ends
     its whole tree: nothing of an ended execution may run on (docs/security.md, S5).
     """
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout_s is None else loop.time() + timeout_s
     exited = asyncio.ensure_future(wait_exited(process))
     stopped = asyncio.ensure_future(execution.ended.wait())
     waiting: set[asyncio.Future[Any]] = {exited, stopped}
     try:
         while not exited.done():
-            remaining = None if deadline is None else max(0.0, deadline - loop.time())
             done, _ = await asyncio.wait(
-                waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                waiting, timeout=_remaining(deadline), return_when=asyncio.FIRST_COMPLETED
             )
             if not done:
                 return "timeout"
             if stopped in done:
-                if execution.state is ExecutionState.FENCED:
-                    return "fenced"
-                return execution.stop_reason or "cancelled"
+                return _why_ended(execution)
         return "exited"
     finally:
         exited.cancel()
@@ -1040,3 +1080,9 @@ class _Launch:
 def _log_failure(task: asyncio.Task[RunOutcome]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("a launched guest failed: %s", task.exception())
+
+
+def _log_late_failure(told: asyncio.Future[Any]) -> None:
+    """An ``on_start`` cancelled as its execution ended raised all the same."""
+    if not told.cancelled() and told.exception() is not None:
+        logger.error("on_start raised after its execution ended: %r", told.exception())

@@ -578,6 +578,55 @@ async def test_closing_the_supervisor_under_a_running_run_stops_its_guest_before
     assert outcome.last.reason == "cancelled"
 
 
+@pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
+async def test_closing_the_supervisor_under_a_run_still_in_its_on_start_stops_its_guest(
+    tmp_path: Path, ledger: Ledger, sandbox: bool
+) -> None:
+    """A run whose async ``on_start`` had not returned: aclose() ended the
+    execution, but the run waited on ``on_start`` only, so aclose() waited
+    out its whole bound (3 × the grace) and returned with the guest alive."""
+    launched: asyncio.Future[Execution] = asyncio.get_running_loop().create_future()
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def on_start(execution: Execution) -> None:
+        launched.set_result(execution)
+        await never  # the caller's code, still busy
+
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        async with Supervisor(
+            tmp_path / "state", stop_grace_s=STEP_TIMEOUT_S, sandbox=sandbox
+        ) as sup:
+            run = asyncio.ensure_future(
+                sup.run(billing_plan(ledger), ["/bin/sleep", "30"], on_start=on_start)
+            )
+            execution = await launched
+            pid = execution.guest_pid
+            assert pid is not None and alive(pid)
+        assert not alive(pid)
+        assert execution.outcome is not None and execution.outcome.reason == "cancelled"
+        assert never.cancelled()  # on_start was cancelled, not left waiting
+        assert (await run).last.reason == "cancelled"
+
+
+async def test_the_timeout_ends_a_guest_whose_on_start_has_not_returned(
+    quick: Supervisor, ledger: Ledger
+) -> None:
+    """The timeout counted only once ``on_start`` returned: a caller's code
+    that hung kept the guest running for ever, whatever its timeout."""
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def on_start(execution: Execution) -> None:
+        await never
+
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        outcome = await quick.run(
+            billing_plan(ledger), ["/bin/sleep", "30"], timeout_s=0.5, on_start=on_start
+        )
+    assert outcome.last.reason == "timeout"
+    assert outcome.exit_status == 124
+    assert never.cancelled()
+
+
 async def test_a_sandboxed_guest_stopped_as_it_launches_is_not_given_the_grace(
     tmp_path: Path, ledger: Ledger
 ) -> None:

@@ -109,6 +109,29 @@ def without(fields: set[str], item: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in item.items() if k not in fields}
 
 
+async def test_a_wasm_guest_whose_on_start_hangs_is_stopped_at_its_timeout(
+    tmp_path: Path, agent_wasm: Path
+) -> None:
+    """As for a native guest: the timeout counts from the start, not from
+    when the caller's ``on_start`` returned, and a hung one is cancelled."""
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def on_start(execution: Execution) -> None:
+        await never
+
+    async with Supervisor(tmp_path / "state") as sup:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            outcome = await sup.run(
+                scenario_plan(Ledger()),
+                ["spin"],
+                wasm=agent_wasm,
+                limits=Limits(timeout_s=0.5),
+                on_start=on_start,
+            )
+    assert (outcome.last.reason, outcome.exit_status) == ("timeout", 124)
+    assert never.cancelled()
+
+
 @pytest.mark.parametrize("guest", ["c-module", "python-component"])
 async def test_one_scenario_through_both_transports_leaves_the_same_records_and_receipts(
     tmp_path: Path, guest: str, request: pytest.FixtureRequest
