@@ -34,7 +34,7 @@ from supervisor.approvals import (
     ProposalNotFound,
     ProposalNotWaiting,
 )
-from supervisor.errors import HostcallError, Refusal, WasmBusy, WasmError
+from supervisor.errors import HostcallError, Refusal, SupervisorClosing, WasmBusy, WasmError
 from supervisor.executions import Execution
 from supervisor.gc import collect
 from supervisor.metrics import CONTENT_TYPE, Metrics
@@ -408,7 +408,7 @@ class AdminServer:
             raise Refusal("bad_request", f"cannot start {program!r}: {exc.strerror}") from None
         except WasmError as exc:
             raise Refusal("bad_request", str(exc)) from None
-        except WasmBusy as exc:
+        except (WasmBusy, SupervisorClosing) as exc:
             return _error(503, exc.code, str(exc))
         return web.json_response(execution.describe(), status=201)
 

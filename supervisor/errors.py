@@ -12,6 +12,7 @@ __all__ = [
     "Refusal",
     "StateDirBusy",
     "StoreUnavailable",
+    "SupervisorClosing",
     "UnsafeStateDir",
 ]
 
@@ -34,6 +35,12 @@ class StoreUnavailable(HostcallError):
     """The effect store could not be read or written; nothing ran unrecorded."""
 
     code = "store_unavailable"
+
+
+class SupervisorClosing(HostcallError):
+    """The supervisor is closing: it launches no guest any more."""
+
+    code = "supervisor_closing"
 
 
 class StateDirBusy(HostcallError):

@@ -28,7 +28,7 @@ from supervisor.admin import AdminServer
 from supervisor.approvals import ApprovalController, Approver
 from supervisor.broker import Broker
 from supervisor.cgroups import CgroupHost
-from supervisor.errors import HostcallError, InvocationMismatch, WasmBusy
+from supervisor.errors import HostcallError, InvocationMismatch, SupervisorClosing, WasmBusy
 from supervisor.executions import Execution, ExecutionState, ExecutionTable
 from supervisor.guests import GuestLauncher
 from supervisor.hostlog import HostLog, about
@@ -161,6 +161,8 @@ class Supervisor:
         self._admin: AdminServer | None = None
         self._launched: set[asyncio.Task[RunOutcome]] = set()
         self._stopping: set[asyncio.Future[ExecutionOutcome]] = set()
+        #: Set by aclose(): from then on, no guest is launched.
+        self._closing = False
         self._executor: ThreadPoolExecutor | None = None
         self._cgroups: CgroupHost | None = None
         self._host_log: HostLog | None = None
@@ -206,6 +208,7 @@ class Supervisor:
             SandboxError: a sandbox was asked for and this host cannot give one.
             StateDirBusy: another supervisor runs on the state dir.
         """
+        self._closing = False  # a supervisor closed before may be started again
         sandbox_host = None
         if self.sandboxed:
             # First: a host that cannot sandbox must not get half a supervisor.
@@ -273,21 +276,24 @@ class Supervisor:
     async def aclose(self) -> None:
         """Stop serving and release everything. Idempotent.
 
-        Guests launched through the admin API are stopped (their trees ended).
-        The caller's own :meth:`run` calls should have returned already; any
-        still waiting on a running guest get their execution ended, and their
-        guests are stopped before this returns (bounded).
+        From its start, no guest is launched (:class:`SupervisorClosing`, the
+        admin API's ``POST /v1/invocations`` too). Guests launched through the
+        admin API are stopped (their trees ended). The caller's own :meth:`run`
+        calls should have returned already; any still running, or still
+        starting, get their execution ended, and their guests are stopped
+        before this returns (bounded).
         """
+        self._closing = True
         for task in list(self._launched):
             task.cancel()
         if self._launched:
             await asyncio.gather(*self._launched, return_exceptions=True)
-        running = [e for e in self._executions if e.launched.is_set() and e.outcome is None]
-        for execution in self._executions:
+        unretired = [e for e in self._executions if e.outcome is None]
+        for execution in unretired:
             execution.end()  # a run still waiting on its guest winds it down now
-        # Until each is retired (every process of it ended), and the stops of
-        # runs cancelled meanwhile; bounded.
-        retired = [asyncio.ensure_future(e.stopped.wait()) for e in running]
+        # Until each is retired (every process of it ended) or, for one that
+        # was still starting, could not start; bounded.
+        retired = [asyncio.ensure_future(e.stopped.wait()) for e in unretired]
         waits: list[asyncio.Future[Any]] = [*retired, *self._stopping]
         if waits:
             await asyncio.wait(waits, timeout=self._stop_grace_s * 3 + STOPPED_SLACK_S)
@@ -362,6 +368,8 @@ class Supervisor:
             WasmError: the module is not one hostcall can run.
             WasmBusy: too many WebAssembly guests stopped while asleep in WASI
                 have not woken yet (:data:`MAX_ASLEEP_WASM`).
+            SupervisorClosing: :meth:`aclose` has begun. (On a relaunch, the
+                attempts before it are returned, as for one that cannot start.)
             Whatever ``on_start`` raises, as it is (its guest is stopped and
             its execution retired all the same).
 
@@ -371,6 +379,7 @@ class Supervisor:
         """
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
+        self._check_open()
         if timeout_s is not None:
             limits = Limits(
                 timeout_s=timeout_s,
@@ -398,6 +407,7 @@ class Supervisor:
             failure: OSError | HostcallError | None = None
             try:
                 with _not_started():
+                    self._check_open()  # a relaunch after aclose() began: the attempts that ran
                     invocation = await self._open_invocation(plan, invocation_id)
                 outcome = await self._run_once(plan, invocation_id, invocation, launch)
             except _NotStarted as not_started:
@@ -444,6 +454,10 @@ class Supervisor:
             self._invocations[invocation_id] = invocation
         return invocation
 
+    def _check_open(self) -> None:
+        if self._closing:
+            raise SupervisorClosing("the supervisor is closing: it launches no guest any more")
+
     def _new_execution(
         self,
         plan: Plan,
@@ -453,7 +467,14 @@ class Supervisor:
         launch: _Launch,
     ) -> Execution:
         """A new execution of the invocation, routable but not yet started:
-        its older ones are fenced once its guest has started (:meth:`_fence_older`)."""
+        its older ones are fenced once its guest has started (:meth:`_fence_older`).
+
+        Raises:
+            SupervisorClosing: aclose() has begun. Checked here, with no
+                await before the execution is registered: aclose() sees
+                every execution that may still launch a guest.
+        """
+        self._check_open()
         execution_id = new_id("exe")
         execution: Execution
         broker = Broker(
@@ -512,7 +533,8 @@ class Supervisor:
         if launch.wasm is not None:
             return await self._run_wasm_once(plan, invocation_id, invocation, launch, launch.wasm)
         credential, digest = mint_credential()
-        execution = self._new_execution(plan, invocation_id, invocation, digest, launch)
+        with _not_started():
+            execution = self._new_execution(plan, invocation_id, invocation, digest, launch)
         socket = GUEST_SOCKET if launcher.sandbox is not None else self.socket_path
         identity = _identity(plan, execution, str(socket))
         capture_out = launch.stdout is None
@@ -649,6 +671,7 @@ class Supervisor:
         execution.end()
         self._executions.discard(execution)
         self._forget_if_idle(execution.invocation_id)
+        execution.stopped.set()  # nothing of it runs: aclose() need not wait for it
 
     def _forget_if_idle(self, invocation_id: str) -> None:
         self.activity.changed(Topic.INVOCATIONS, invocation_id)
@@ -672,7 +695,8 @@ class Supervisor:
             self._check_wasm_room()  # again for each attempt: others may have fallen asleep
             compiled = await self._wasm_modules(module_path)
         _, digest = mint_credential()  # nobody holds it: no socket call can be this execution
-        execution = self._new_execution(plan, invocation_id, invocation, digest, launch)
+        with _not_started():
+            execution = self._new_execution(plan, invocation_id, invocation, digest, launch)
         env = guest_environment(launch.env or {}, _identity(plan, execution, None))
         started = time.monotonic()
         try:
@@ -903,7 +927,9 @@ class Supervisor:
         Raises:
             RuntimeError: no plan given and none served.
             OSError: the command could not be started.
+            SupervisorClosing: :meth:`aclose` has begun.
         """
+        self._check_open()
         plan = plan or self.served_plan
         if plan is None:
             raise RuntimeError("this supervisor serves no plan to launch guests under")

@@ -13,6 +13,8 @@ import pytest
 
 from supervisor import Supervisor
 from supervisor.admin_client import AdminClient, AdminError
+from supervisor.errors import SupervisorClosing
+from supervisor.guests import RunningGuest
 from supervisor.limits import Limits
 from supervisor.timestamps import utc_timestamp
 from tests.harness import (
@@ -329,6 +331,42 @@ async def test_a_served_plan_launches_guests_through_the_admin_api(
         assert execution.live
     assert launched["invocation_id"] == "inv_launched"
     assert not execution.live  # closing the supervisor stopped it
+
+
+async def test_no_guest_is_launched_once_the_supervisor_is_closing(
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aclose() waits for running guests to stop before it closes the admin
+    API. A ``POST /v1/invocations`` in that window launched a guest the
+    close never ended: it ran on after the supervisor had closed."""
+    stopping, release = asyncio.Event(), asyncio.Event()
+    stop = RunningGuest.stop
+
+    async def held(self: RunningGuest, grace_s: float) -> None:
+        stopping.set()  # the close now waits on this guest: its window
+        await release.wait()
+        await stop(self, grace_s)
+
+    monkeypatch.setattr(RunningGuest, "stop", held)
+    plan = billing_plan(ledger)
+    sup = Supervisor(tmp_path / "s", plan=plan, sandbox=False)
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        await sup.start()
+        closing: asyncio.Future[None] | None = None
+        try:
+            first = await sup.launch(["/bin/sleep", "30"], invocation_id="inv_first")
+            closing = asyncio.ensure_future(sup.aclose())
+            await stopping.wait()
+            with pytest.raises(AdminError) as refused:
+                await admin(sup, "POST", "/v1/invocations", {"argv": ["/bin/sleep", "30"]})
+            with pytest.raises(SupervisorClosing):
+                await sup.run(plan, ["/bin/sleep", "30"], invocation_id="inv_late")
+        finally:
+            release.set()
+            await (closing or sup.aclose())
+    assert (refused.value.status, refused.value.code) == (503, "supervisor_closing")
+    assert [e.execution_id for e in sup.executions()] == [first.execution_id]
+    assert first.outcome is not None and first.outcome.reason == "cancelled"
 
 
 @pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])

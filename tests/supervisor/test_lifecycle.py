@@ -16,7 +16,7 @@ import pytest
 from supervisor import Supervisor
 from supervisor.errors import StoreUnavailable
 from supervisor.executions import Execution
-from supervisor.guests import RunningGuest
+from supervisor.guests import GuestLauncher, RunningGuest
 from supervisor.limits import Limits
 from supervisor.reaper import Reaper
 from supervisor.sandbox import SandboxPolicy
@@ -487,6 +487,27 @@ async def test_a_store_that_fails_before_a_relaunch_keeps_the_attempts_that_ran(
     assert outcome.error == "attempt 2 could not start: the database went away"
 
 
+async def test_a_relaunch_due_after_the_supervisor_closed_returns_the_attempts_that_ran(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    """A run waiting out its backoff when the supervisor closed raised
+    "the supervisor is not running" on waking, and the attempt that had
+    run was lost with it."""
+    sup = Supervisor(tmp_path / "state", sandbox=False)
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        await sup.start()
+        try:
+            run = asyncio.ensure_future(
+                sup.run(billing_plan(ledger), ["/bin/false"], invocation_id="inv_r", attempts=3)
+            )
+            await wait_until(lambda: _retired(sup, "inv_r") != [], "the first attempt ended")
+        finally:
+            await sup.aclose()
+        outcome = await run
+    assert [e.exit_code for e in outcome.executions] == [1]
+    assert outcome.error is not None and "the supervisor is closing" in outcome.error
+
+
 async def test_a_cancelled_run_whose_guest_fails_to_stop_stays_cancelled_and_is_retired(
     sup: Supervisor,
     ledger: Ledger,
@@ -576,6 +597,40 @@ async def test_closing_the_supervisor_under_a_running_run_stops_its_guest_before
     async with asyncio.timeout(STEP_TIMEOUT_S):
         outcome = await run
     assert outcome.last.reason == "cancelled"
+
+
+@pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
+async def test_closing_the_supervisor_while_a_guest_is_starting_waits_until_it_is_stopped(
+    tmp_path: Path, ledger: Ledger, sandbox: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aclose() waited only for executions whose guest had launched. One
+    still starting launched its guest after the close had returned, with
+    the tracker, cgroups and store already closed under it."""
+    starting, release = asyncio.Event(), asyncio.Event()
+    start = GuestLauncher.start
+
+    async def held(self: GuestLauncher, *args: Any, **kwargs: Any) -> RunningGuest:
+        starting.set()
+        await release.wait()
+        return await start(self, *args, **kwargs)
+
+    monkeypatch.setattr(GuestLauncher, "start", held)
+    sup = Supervisor(tmp_path / "state", sandbox=sandbox)
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        await sup.start()
+        try:
+            run = asyncio.ensure_future(sup.run(billing_plan(ledger), ["/bin/sleep", "30"]))
+            await starting.wait()
+            [execution] = sup.executions()
+            closing = asyncio.ensure_future(sup.aclose())
+            await wait_until(lambda: not execution.live, "the close ended it")
+        finally:
+            release.set()
+        await closing
+        pid = execution.guest_pid
+        assert execution.outcome is not None and execution.outcome.reason == "cancelled"
+        assert pid is not None and not alive(pid)
+        assert (await run).last.reason == "cancelled"
 
 
 @pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
