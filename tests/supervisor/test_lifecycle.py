@@ -7,13 +7,14 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from supervisor import Supervisor
+from supervisor import RunOutcome, Supervisor
 from supervisor.errors import StoreUnavailable
 from supervisor.executions import Execution
 from supervisor.guests import GuestLauncher, RunningGuest
@@ -57,6 +58,36 @@ time.sleep(600)
 """
 
 
+@contextlib.asynccontextmanager
+async def tree_guest(
+    sup: Supervisor, ledger: Ledger, **run: Any
+) -> AsyncIterator[tuple[Execution, asyncio.Task[RunOutcome], dict[str, int]]]:
+    """Run :data:`TREE_GUEST` under ``sup`` (``run``: more of ``Supervisor.run``'s
+    arguments): its execution, its run, and its tree once printed."""
+    started: asyncio.Future[Execution] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        sup.run(
+            billing_plan(ledger),
+            [sys.executable, "-c", TREE_GUEST],
+            stdout=asyncio.subprocess.PIPE,
+            on_start=started.set_result,
+            **run,
+        )
+    )
+    try:
+        execution = await started
+        assert execution.process is not None and execution.process.stdout is not None
+        yield execution, task, json.loads(await execution.process.stdout.readline())
+    finally:
+        task.cancel()  # a no-op once the test awaited it
+
+
+async def ready(execution: Execution) -> None:
+    """Wait until :data:`TREE_GUEST` ignores TERM."""
+    assert execution.process is not None and execution.process.stdout is not None
+    assert await execution.process.stdout.readline() == b"ready\n"
+
+
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -75,21 +106,10 @@ async def quick(tmp_path: Path, request: pytest.FixtureRequest) -> Supervisor:
 async def test_a_timeout_ends_the_tree_including_setsid_and_double_forked_daemons(
     quick: Supervisor, ledger: Ledger
 ) -> None:
-    started: asyncio.Future[Execution] = asyncio.get_running_loop().create_future()
-    run = asyncio.create_task(
-        quick.run(
-            billing_plan(ledger),
-            [sys.executable, "-c", TREE_GUEST],
-            timeout_s=3,
-            stdout=asyncio.subprocess.PIPE,
-            on_start=started.set_result,
-        )
-    )
-    async with asyncio.timeout(STEP_TIMEOUT_S):
-        execution = await started
-        stdout = execution.process.stdout
-        assert stdout is not None
-        tree = json.loads(await stdout.readline())
+    async with (
+        asyncio.timeout(STEP_TIMEOUT_S),
+        tree_guest(quick, ledger, timeout_s=3) as (_, run, tree),
+    ):
         watch = TreeWatch(tree, sandboxed=quick.sandboxed)
         try:
             outcome = await run
@@ -265,29 +285,37 @@ async def test_attempts_relaunch_a_failing_guest_as_new_executions_of_one_invoca
     assert len(receipts.splitlines()) == 3
 
 
-async def test_a_python_api_cancel_stops_the_guest_tree(quick: Supervisor, ledger: Ledger) -> None:
-    started: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-    run = asyncio.create_task(
-        quick.run(
-            billing_plan(ledger),
-            [sys.executable, "-c", TREE_GUEST],
-            stdout=asyncio.subprocess.PIPE,
-            on_start=started.set_result,
-        )
-    )
-    async with asyncio.timeout(STEP_TIMEOUT_S):
-        execution = await started
-        stdout = execution.process.stdout  # type: ignore[attr-defined]
-        assert stdout is not None
-        watch = TreeWatch(json.loads(await stdout.readline()), sandboxed=quick.sandboxed)
+@pytest.mark.parametrize("stop", ["works", "fails before its kill"])
+async def test_a_python_api_cancel_stops_the_guest_tree(
+    quick: Supervisor, ledger: Ledger, monkeypatch: pytest.MonkeyPatch, stop: str
+) -> None:
+    """A stop that raised before its KILL (a process scan out of descriptors)
+    retired the execution ``ended`` while the guest and its children ran on,
+    though "ended" means nothing of it is alive (S5): it falls back on a KILL."""
+
+    async def fails(*args: Any, **kwargs: Any) -> list[int]:
+        raise OSError(24, "Too many open files")
+
+    if stop != "works":
+        monkeypatch.setattr("supervisor.guests.stop_tree", fails)
+        monkeypatch.setattr("supervisor.guests.stop_sandbox", fails)
+    async with (
+        asyncio.timeout(STEP_TIMEOUT_S),
+        tree_guest(quick, ledger) as (execution, run, tree),
+    ):
+        watch = TreeWatch(tree, sandboxed=quick.sandboxed)
         try:
-            assert await stdout.readline() == b"ready\n"
-            assert quick.cancel(execution.execution_id)  # type: ignore[attr-defined]
-            assert not quick.cancel(execution.execution_id)  # type: ignore[attr-defined]
+            await ready(execution)
+            assert quick.cancel(execution.execution_id)
+            assert not quick.cancel(execution.execution_id)
             outcome = await run
             assert outcome.last.reason == "cancelled"
-            assert outcome.exit_status == 128 + 9  # it ignored TERM, so KILL ended it
-            assert watch.alive() == []
+            assert execution.outcome is not None  # retired: it says nothing runs
+            if stop == "works":
+                assert outcome.exit_status == 128 + 9  # it ignored TERM, so KILL ended it
+                assert watch.alive() == []
+            else:  # the fallback's KILL, sent before the retire, lands a moment later
+                await wait_until(lambda: watch.alive() == [], "the whole tree killed")
         finally:
             watch.close()
 
@@ -537,43 +565,6 @@ async def test_a_cancelled_run_whose_guest_fails_to_stop_stays_cancelled_and_is_
     await wait_until(lambda: _retired(sup, "inv_f") == [("ended", "cancelled")], "retired")
     assert "stopping the guest of" in caplog.text
     assert "the cgroup could not be removed" in caplog.text
-
-
-async def test_a_stop_that_fails_before_its_kill_still_kills_the_whole_tree(
-    quick: Supervisor, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Stopping the guest raised before its KILL (the process scan out of
-    descriptors): the execution was retired ``ended`` while the guest and
-    its children ran on, though "ended" means nothing of it is alive (S5)."""
-
-    async def fails(*args: Any, **kwargs: Any) -> list[int]:
-        raise OSError(24, "Too many open files")
-
-    monkeypatch.setattr("supervisor.guests.stop_tree", fails)
-    monkeypatch.setattr("supervisor.guests.stop_sandbox", fails)
-    started: asyncio.Future[Execution] = asyncio.get_running_loop().create_future()
-    run = asyncio.create_task(
-        quick.run(
-            billing_plan(ledger),
-            [sys.executable, "-c", TREE_GUEST],
-            stdout=asyncio.subprocess.PIPE,
-            on_start=started.set_result,
-        )
-    )
-    async with asyncio.timeout(STEP_TIMEOUT_S):
-        execution = await started
-        stdout = execution.process.stdout
-        assert stdout is not None
-        watch = TreeWatch(json.loads(await stdout.readline()), sandboxed=quick.sandboxed)
-        try:
-            assert await stdout.readline() == b"ready\n"
-            assert quick.cancel(execution.execution_id)
-            outcome = await run
-            assert outcome.last.reason == "cancelled"
-            assert execution.outcome is not None  # retired: it says nothing runs
-            await wait_until(lambda: watch.alive() == [], "the whole tree killed")
-        finally:
-            watch.close()
 
 
 async def test_closing_the_supervisor_under_a_running_run_stops_its_guest_before_it_returns(
