@@ -97,14 +97,12 @@ class RunningGuest:
         """End every process of the guest (TERM, ``grace_s``, KILL) and release
         what it held. Returns once nothing of it is alive."""
         launcher = self._launcher
+        sandboxed, tree = self._sandboxed, self.tree
         try:
-            if self._sandboxed is not None:
-                await stop_sandbox(
-                    self.process, self._sandboxed, grace_s=grace_s, cgroup=self._cgroup
-                )
+            if sandboxed is not None:
+                await stop_sandbox(self.process, sandboxed, grace_s=grace_s, cgroup=self._cgroup)
             else:
-                assert isinstance(self.tree, GuestTree)
-                tree = self.tree
+                assert isinstance(tree, GuestTree)
                 await stop_tree(
                     self.process,
                     tree,
@@ -112,13 +110,22 @@ class RunningGuest:
                     orphans=lambda: launcher.tracker.orphans_of(tree),
                 )
         except BaseException:
-            # It failed (or was cancelled) perhaps before its KILL: kill at
-            # once, for nothing of an ended execution may run on (S5).
-            if self._sandboxed is not None:
-                kill_sandbox(self._sandboxed, self._cgroup)
-            else:
-                assert isinstance(self.tree, GuestTree)
-                kill_tree(self.process, self.tree)
+            # It failed (or was cancelled) perhaps before its KILL: nothing
+            # of an ended execution may run on (S5), so kill it all at once
+            # and wait until it is gone, still tracked (its zombies reaped).
+            with contextlib.suppress(Exception):  # boundary: its own error goes on
+                if sandboxed is not None:
+                    await kill_sandbox(
+                        self.process, sandboxed, grace_s=grace_s, cgroup=self._cgroup
+                    )
+                else:
+                    assert isinstance(tree, GuestTree)
+                    await kill_tree(
+                        self.process,
+                        tree,
+                        grace_s=grace_s,
+                        orphans=lambda: launcher.tracker.orphans_of(tree),
+                    )
             raise
         finally:
             launcher.tracker.untrack(self.execution_id)

@@ -153,19 +153,50 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def kill_tree(process: GuestProcess, tree: GuestTree) -> None:
-    """SIGKILL the guest's process group and every process of its tree, seen
-    or marked with its execution's id, with no grace: what a stop that failed
-    midway falls back on, so that nothing of an ended execution runs on.
-    Never raises: each way of finding them is tried on its own."""
+async def kill_tree(
+    process: GuestProcess,
+    tree: GuestTree,
+    *,
+    grace_s: float = STOP_GRACE_S,
+    orphans: Callable[[], list[psutil.Process]] = list,
+) -> list[int]:
+    """What a stop that failed midway falls back on: SIGKILL the guest's
+    process group and every process of its tree it can still find (seen,
+    marked with its execution's id, orphaned), each way of finding them
+    tried on its own, then wait (bounded) until they are gone and reap
+    those that became ours. Returns the pids still alive."""
     found = {p.pid: p for p in tree.seen.values()}
-    with contextlib.suppress(Exception):  # boundary: the next way may still work
-        found.update((p.pid, p) for p in tree.members())
-    with contextlib.suppress(Exception):
-        found.update((p.pid, p) for p in tree.marked_processes(adopted_only=is_subreaper()))
-    _signal_all(process.pid, list(found.values()), signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, OSError):
-        process.kill()
+    findings: list[Callable[[], list[psutil.Process]]] = [
+        lambda: tree.members(zombies=True),
+        lambda: tree.marked_processes(adopted_only=is_subreaper()),
+        orphans,
+    ]
+    for finding in findings:
+        with contextlib.suppress(Exception):  # boundary: the next way may still work
+            found.update((p.pid, p) for p in finding())
+    return await _kill(process, tree, list(found.values()), grace_s)
+
+
+async def _kill(
+    process: GuestProcess, tree: GuestTree, members: list[psutil.Process], grace_s: float
+) -> list[int]:
+    """SIGKILL the guest's group, the guest and ``members``; wait (bounded)
+    until they are gone; reap those that became ours; the pids that survived."""
+    for member in members:  # seen: ours to reap once they die
+        with contextlib.suppress(psutil.Error):
+            tree.seen.setdefault((member.pid, member.create_time()), member)
+    _signal_all(process.pid, members, signal.SIGKILL)
+    process.kill()
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(grace_s):
+            await wait_exited(process)
+            while any(is_alive(m) for m in members):  # noqa: ASYNC110 - no event for other pids
+                await asyncio.sleep(_STOP_POLL_S)
+    _reap_adopted(tree, process.pid)
+    survivors = [m.pid for m in members if is_alive(m)]
+    if survivors:
+        logger.error("processes of %s survived SIGKILL: %s", tree.execution_id, survivors)
+    return survivors
 
 
 def _signal_all(pgid: int, members: list[psutil.Process], signum: int) -> None:
@@ -244,15 +275,6 @@ async def stop_tree(
         if loop.time() >= deadline:
             break
         await asyncio.sleep(_STOP_POLL_S)
-    members = [m for m in everyone(scan_environments=True) if is_alive(m)]
-    _signal_all(pgid, members, signal.SIGKILL)
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(grace_s):
-            await wait_exited(process)
-            while any(is_alive(m) for m in members):  # noqa: ASYNC110 - no event for other pids
-                await asyncio.sleep(_STOP_POLL_S)
-    _reap_adopted(tree, pgid)
-    survivors = [m.pid for m in members if is_alive(m)]
-    if survivors:
-        logger.error("processes of %s survived SIGKILL: %s", tree.execution_id, survivors)
-    return survivors
+    return await _kill(
+        process, tree, [m for m in everyone(scan_environments=True) if is_alive(m)], grace_s
+    )

@@ -312,14 +312,29 @@ class CgroupPort(Protocol):
     def kill(self) -> None: ...
 
 
-def kill_sandbox(sandbox: Sandboxed, cgroup: CgroupPort | None = None) -> None:
-    """KILL the whole sandbox at once (the cgroup's atomic kill, SIGKILL to
-    pid 1), with no grace and nothing that can fail: what a stop that failed
-    midway falls back on."""
+async def kill_sandbox(
+    process: GuestProcess,
+    sandbox: Sandboxed,
+    *,
+    grace_s: float = STOP_GRACE_S,
+    cgroup: CgroupPort | None = None,
+) -> list[int]:
+    """KILL the whole sandbox at once — the cgroup's atomic kill and SIGKILL
+    to pid 1, which ends the whole pid namespace — and wait (bounded) until
+    it is gone. Its signals cannot fail: a stop that failed midway falls
+    back on this. Returns the pids still inside afterwards."""
     if cgroup is not None:
         with contextlib.suppress(OSError):
             cgroup.kill()
     sandbox.signal(signal.SIGKILL)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(grace_s):
+            await wait_exited(process)
+    await sandbox.wait_gone(grace_s)
+    survivors = cgroup.pids() if cgroup is not None else sandbox.members()
+    if survivors:
+        logger.error("processes of a sandbox survived SIGKILL: %s", survivors)
+    return survivors
 
 
 async def stop_sandbox(
@@ -347,11 +362,7 @@ async def stop_sandbox(
                 async with asyncio.timeout(grace_s):
                     await wait_exited(process)
     if process.returncode is None or not await sandbox.wait_gone(grace_s):
-        kill_sandbox(sandbox, cgroup)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(grace_s):
-                await wait_exited(process)
-        await sandbox.wait_gone(grace_s)
+        return await kill_sandbox(process, sandbox, grace_s=grace_s, cgroup=cgroup)
     survivors = cgroup.pids() if cgroup is not None else sandbox.members()
     if survivors:
         logger.error("processes of a sandbox survived SIGKILL: %s", survivors)
