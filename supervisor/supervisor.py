@@ -587,9 +587,9 @@ class Supervisor:
         reason: EndReason = "cancelled"  # unless it ends by itself or for a limit
         try:
             deadline = _deadline(launch.limits.timeout_s)
-            reason = await _started(launch, execution, deadline) or await _wait_for_guest(
-                process, execution, deadline
-            )
+            reason = await _started(
+                launch, execution, deadline, lambda: wait_exited(process)
+            ) or await _wait_for_guest(process, execution, deadline)
         finally:
             # The credential stops working the moment the execution ends.
             execution.end()
@@ -729,9 +729,9 @@ class Supervisor:
         reason: EndReason = "cancelled"  # unless it ends by itself or for a limit
         try:
             deadline = _deadline(launch.limits.timeout_s)
-            reason = await _started(launch, execution, deadline) or await _wait_for_wasm(
-                running, execution, deadline
-            )
+            reason = await _started(
+                launch, execution, deadline, lambda: asyncio.shield(running)
+            ) or await _wait_for_wasm(running, execution, deadline)
             if reason != "exited":
                 guest.stop(reason)
         finally:
@@ -980,13 +980,19 @@ def _not_started() -> Iterator[None]:
 
 
 async def _started(
-    launch: _Launch, execution: Execution, deadline: float | None
+    launch: _Launch,
+    execution: Execution,
+    deadline: float | None,
+    exit: Callable[[], Awaitable[object]],
 ) -> EndReason | None:
     """Tell the caller its guest runs (``on_start``, sync or async). An async
     ``on_start`` still running when the execution ends (a cancel, a fence, a
     limit, the supervisor closing) or its timeout passes is cancelled, and
     that reason returned: the guest is not left running for as long as the
-    caller's code takes. None once ``on_start`` returned; what it raises, as is."""
+    caller's code takes. A guest that exits by itself meanwhile (``exit``
+    returns) has ``exited``, whatever ends the wait after: its timeout no
+    longer holds, and its ``on_start`` may still finish. None once
+    ``on_start`` returned and nothing ended; what it raises, as is."""
     if launch.on_start is None:
         return None
     maybe = launch.on_start(execution)
@@ -994,18 +1000,26 @@ async def _started(
         return None
     told = asyncio.ensure_future(maybe)
     ended = asyncio.ensure_future(execution.ended.wait())
+    exited = asyncio.ensure_future(exit())
     try:
         done, _ = await asyncio.wait(
-            {told, ended}, timeout=_remaining(deadline), return_when=asyncio.FIRST_COMPLETED
+            {told, ended, exited},
+            timeout=_remaining(deadline),
+            return_when=asyncio.FIRST_COMPLETED,
         )
+        if done == {exited}:
+            done, _ = await asyncio.wait({told, ended}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         ended.cancel()
+        exited.cancel()  # the wait on it, not the guest
         if not told.done():
             told.cancel()  # not awaited: its clean-up is the caller's, and may take long
             told.add_done_callback(_log_late_failure)
     if told in done:
         told.result()
         return None
+    if exited.done() and not exited.cancelled() and exited.exception() is None:
+        return "exited"
     return _why_ended(execution) if ended in done else "timeout"
 
 

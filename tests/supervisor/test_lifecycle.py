@@ -672,6 +672,27 @@ async def test_closing_the_supervisor_under_a_run_still_in_its_on_start_stops_it
         assert (await run).last.reason == "cancelled"
 
 
+async def test_a_guest_that_exited_while_its_on_start_ran_is_reported_exited(
+    quick: Supervisor, ledger: Ledger
+) -> None:
+    """The guest exited by itself while ``on_start`` still ran, and then the
+    execution ended (here ``on_start`` cancels it; the timeout did the same):
+    the run reported the guest ``cancelled`` (or ``timeout``, and relaunched
+    it) though it had exited 0. The guest's own exit comes first."""
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def on_start(execution: Execution) -> None:
+        assert execution.process is not None
+        await execution.process.wait()
+        assert quick.cancel(execution.execution_id)
+        await never
+
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        outcome = await quick.run(billing_plan(ledger), ["/bin/true"], on_start=on_start)
+    assert [(e.reason, e.exit_code) for e in outcome.executions] == [("exited", 0)]
+    assert never.cancelled()
+
+
 async def test_the_timeout_ends_a_guest_whose_on_start_has_not_returned(
     quick: Supervisor, ledger: Ledger
 ) -> None:
