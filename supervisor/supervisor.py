@@ -392,10 +392,11 @@ class Supervisor:
         if not is_path_safe_id(invocation_id):
             raise ValueError("invocation ids are 1-128 characters of [A-Za-z0-9._:-], not . or ..")
         module = Path(wasm) if wasm is not None else None
-        if module is not None:
-            self._check_wasm_room()
-            await self._wasm_modules(module)  # refuses a bad module before any invocation exists
-        await self._open_invocation(plan, invocation_id)  # refuses a mismatched plan first
+        with self._while_open():
+            if module is not None:
+                self._check_wasm_room()
+                await self._wasm_modules(module)  # refuses a bad module before any invocation
+            await self._open_invocation(plan, invocation_id)  # refuses a mismatched plan first
         launch = _Launch(
             argv, limits or Limits(), env, cwd, stdin, stdout, stderr, on_start, module
         )
@@ -406,8 +407,7 @@ class Supervisor:
                 await asyncio.sleep(delay)
             failure: OSError | HostcallError | None = None
             try:
-                with _not_started():
-                    self._check_open()  # a relaunch after aclose() began: the attempts that ran
+                with _not_started(), self._while_open():  # else: the attempts that ran
                     invocation = await self._open_invocation(plan, invocation_id)
                 outcome = await self._run_once(plan, invocation_id, invocation, launch)
             except _NotStarted as not_started:
@@ -457,6 +457,21 @@ class Supervisor:
     def _check_open(self) -> None:
         if self._closing:
             raise SupervisorClosing("the supervisor is closing: it launches no guest any more")
+
+    @contextlib.contextmanager
+    def _while_open(self) -> Iterator[None]:
+        """Code that prepares a launch across awaits: refused once aclose()
+        has begun, and what fails in it if aclose() began meanwhile (the
+        store closed under it, say) is that, :class:`SupervisorClosing`."""
+        self._check_open()
+        try:
+            yield
+        except Exception as exc:
+            if not self._closing:
+                raise
+            raise SupervisorClosing(
+                "the supervisor is closing: it launches no guest any more"
+            ) from exc
 
     def _new_execution(
         self,
@@ -527,6 +542,8 @@ class Supervisor:
     async def _run_once(
         self, plan: Plan, invocation_id: str, invocation: _Invocation, launch: _Launch
     ) -> ExecutionOutcome:
+        with _not_started():
+            self._check_open()
         launcher = self._launcher
         if launcher is None:
             raise RuntimeError("the supervisor is not running")
@@ -954,6 +971,8 @@ class Supervisor:
             return_when=asyncio.FIRST_COMPLETED,
         )
         if not started.done():
+            if task.cancelled() and self._closing:  # aclose() stopped it, not our caller
+                raise SupervisorClosing("the supervisor closed before the guest started")
             task.result()  # raises why it did not start
             raise RuntimeError("the guest ended before it started")
         return started.result()

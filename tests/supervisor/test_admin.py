@@ -8,13 +8,14 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from supervisor import Supervisor
 from supervisor.admin_client import AdminClient, AdminError
 from supervisor.errors import SupervisorClosing
-from supervisor.guests import RunningGuest
+from supervisor.guests import GuestLauncher, RunningGuest
 from supervisor.limits import Limits
 from supervisor.timestamps import utc_timestamp
 from tests.harness import (
@@ -367,6 +368,34 @@ async def test_no_guest_is_launched_once_the_supervisor_is_closing(
     assert (refused.value.status, refused.value.code) == (503, "supervisor_closing")
     assert [e.execution_id for e in sup.executions()] == [first.execution_id]
     assert first.outcome is not None and first.outcome.reason == "cancelled"
+
+
+async def test_a_launch_still_starting_when_the_supervisor_closes_is_refused_not_cancelled(
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aclose() cancels the runs it launched. One still starting raised
+    that CancelledError into launch()'s caller, who was never cancelled:
+    ``asyncio.timeout`` and task groups count on a CancelledError being theirs."""
+    starting = asyncio.Event()
+    start = GuestLauncher.start
+
+    async def held(self: GuestLauncher, *args: Any, **kwargs: Any) -> RunningGuest:
+        starting.set()
+        await asyncio.Event().wait()  # until aclose() cancels its run
+        return await start(self, *args, **kwargs)
+
+    monkeypatch.setattr(GuestLauncher, "start", held)
+    sup = Supervisor(tmp_path / "s", plan=billing_plan(ledger), sandbox=False)
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        await sup.start()
+        try:
+            launching = asyncio.ensure_future(sup.launch(["/bin/sleep", "30"]))
+            await starting.wait()
+        finally:
+            await sup.aclose()
+        with pytest.raises(SupervisorClosing):
+            await launching
+    assert sup.executions() == []
 
 
 @pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])

@@ -554,6 +554,42 @@ async def test_a_relaunch_due_after_the_supervisor_closed_returns_the_attempts_t
     assert outcome.error is not None and "the supervisor is closing" in outcome.error
 
 
+async def test_a_relaunch_being_prepared_as_the_supervisor_closes_returns_the_attempts_that_ran(
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The close came while a relaunch reopened its invocation (a store
+    round trip), and nothing of it was running for aclose() to wait for:
+    the relaunch went on against the closed store, raised its "used after
+    close()", and the attempt that had run was lost with it."""
+    preparing, release = asyncio.Event(), asyncio.Event()
+    sup = Supervisor(tmp_path / "state", sandbox=False)
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        await sup.start()
+        opened = 0
+        open_invocation = sup.store.open_invocation
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            nonlocal opened
+            opened += 1
+            if opened == 3:  # the run's own check, the first attempt's, then the relaunch's
+                preparing.set()
+                await release.wait()
+            return await open_invocation(*args, **kwargs)
+
+        monkeypatch.setattr(sup.store, "open_invocation", held)
+        try:
+            run = asyncio.ensure_future(
+                sup.run(billing_plan(ledger), ["/bin/false"], invocation_id="inv_p", attempts=2)
+            )
+            await preparing.wait()
+        finally:
+            await sup.aclose()
+            release.set()
+        outcome = await run
+    assert [e.exit_code for e in outcome.executions] == [1]
+    assert outcome.error is not None and "the supervisor is closing" in outcome.error
+
+
 async def test_a_cancelled_run_whose_guest_fails_to_stop_stays_cancelled_and_is_retired(
     sup: Supervisor,
     ledger: Ledger,
