@@ -97,35 +97,14 @@ class RunningGuest:
         """End every process of the guest (TERM, ``grace_s``, KILL) and release
         what it held. Returns once nothing of it is alive."""
         launcher = self._launcher
-        sandboxed, tree = self._sandboxed, self.tree
         try:
-            if sandboxed is not None:
-                await stop_sandbox(self.process, sandboxed, grace_s=grace_s, cgroup=self._cgroup)
-            else:
-                assert isinstance(tree, GuestTree)
-                await stop_tree(
-                    self.process,
-                    tree,
-                    grace_s=grace_s,
-                    orphans=lambda: launcher.tracker.orphans_of(tree),
-                )
+            await self._end(grace_s, graceful=True)
         except BaseException:
             # It failed (or was cancelled) perhaps before its KILL: nothing
             # of an ended execution may run on (S5), so kill it all at once
             # and wait until it is gone, still tracked (its zombies reaped).
             with contextlib.suppress(Exception):  # boundary: its own error goes on
-                if sandboxed is not None:
-                    await kill_sandbox(
-                        self.process, sandboxed, grace_s=grace_s, cgroup=self._cgroup
-                    )
-                else:
-                    assert isinstance(tree, GuestTree)
-                    await kill_tree(
-                        self.process,
-                        tree,
-                        grace_s=grace_s,
-                        orphans=lambda: launcher.tracker.orphans_of(tree),
-                    )
+                await self._end(grace_s, graceful=False)
             raise
         finally:
             launcher.tracker.untrack(self.execution_id)
@@ -136,6 +115,20 @@ class RunningGuest:
             if self._cgroup is not None:
                 with contextlib.suppress(OSError):
                     await self._cgroup.remove(CGROUP_REMOVE_TIMEOUT_S)
+
+    async def _end(self, grace_s: float, *, graceful: bool) -> None:
+        """TERM, ``grace_s``, KILL (``graceful``), or KILL at once; either
+        way until nothing of it is alive (bounded)."""
+        if self._sandboxed is not None:
+            end_sandbox = stop_sandbox if graceful else kill_sandbox
+            await end_sandbox(self.process, self._sandboxed, grace_s=grace_s, cgroup=self._cgroup)
+            return
+        tree, tracker = self.tree, self._launcher.tracker
+        assert isinstance(tree, GuestTree)
+        end_tree = stop_tree if graceful else kill_tree
+        await end_tree(
+            self.process, tree, grace_s=grace_s, orphans=lambda: tracker.orphans_of(tree)
+        )
 
     def limit_crossed(self) -> EndReason | None:
         """The limit the guest crossed, if any (also one the kernel refused
