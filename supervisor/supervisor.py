@@ -373,9 +373,10 @@ class Supervisor:
             Whatever ``on_start`` raises, as it is (its guest is stopped and
             its execution retired all the same).
 
-        An async ``on_start`` still running when its execution ends (a cancel,
-        a fence, a limit, :meth:`aclose`) or its timeout passes is cancelled,
-        and the guest stopped for that reason. The timeout counts from the start.
+        An async ``on_start`` still running when its guest exits by itself,
+        its execution ends (a cancel, a fence, a limit, :meth:`aclose`) or its
+        timeout passes is cancelled, and the guest stopped for that reason
+        (``exited``, …). The timeout counts from the start.
         """
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
@@ -1005,13 +1006,12 @@ async def _started(
     exit: Callable[[], Awaitable[object]],
 ) -> EndReason | None:
     """Tell the caller its guest runs (``on_start``, sync or async). An async
-    ``on_start`` still running when the execution ends (a cancel, a fence, a
-    limit, the supervisor closing) or its timeout passes is cancelled, and
-    that reason returned: the guest is not left running for as long as the
-    caller's code takes. A guest that exits by itself meanwhile (``exit``
-    returns) has ``exited``, whatever ends the wait after: its timeout no
-    longer holds, and its ``on_start`` may still finish. None once
-    ``on_start`` returned and nothing ended; what it raises, as is."""
+    ``on_start`` still running when the guest exits by itself (``exit``
+    returns: ``exited``), the execution ends (a cancel, a fence, a limit, the
+    supervisor closing) or its timeout passes is cancelled, and that reason
+    returned: nothing of the guest is left running, its credential live, for
+    as long as the caller's code takes. None once ``on_start`` returned
+    first; what it raises, as is."""
     if launch.on_start is None:
         return None
     maybe = launch.on_start(execution)
@@ -1026,10 +1026,10 @@ async def _started(
             timeout=_remaining(deadline),
             return_when=asyncio.FIRST_COMPLETED,
         )
-        if done == {exited}:
-            done, _ = await asyncio.wait({told, ended}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         ended.cancel()
+        if exited.done() and not exited.cancelled():
+            exited.exception()  # a guest that failed to run: its own wait reports it
         exited.cancel()  # the wait on it, not the guest
         if not told.done():
             told.cancel()  # not awaited: its clean-up is the caller's, and may take long
@@ -1037,7 +1037,7 @@ async def _started(
     if told in done:
         told.result()
         return None
-    if exited.done() and not exited.cancelled() and exited.exception() is None:
+    if exited in done:
         return "exited"
     return _why_ended(execution) if ended in done else "timeout"
 
