@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from supervisor import RunOutcome, Supervisor
+from supervisor.cgroups import CgroupHost
 from supervisor.errors import StoreUnavailable
 from supervisor.executions import Execution
 from supervisor.guests import GuestLauncher, RunningGuest
@@ -296,13 +297,15 @@ async def test_attempts_relaunch_a_failing_guest_as_new_executions_of_one_invoca
     assert len(receipts.splitlines()) == 3
 
 
+@pytest.mark.parametrize("kind", ["sandbox", "sandbox without cgroup", "no-sandbox"])
 @pytest.mark.parametrize("stop", ["works", "fails before its kill"])
 async def test_a_python_api_cancel_stops_the_guest_tree(
-    quick: Supervisor, ledger: Ledger, monkeypatch: pytest.MonkeyPatch, stop: str
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch, stop: str, kind: str
 ) -> None:
     """A stop that raised before its KILL (a process scan out of descriptors)
     retired the execution ``ended`` while the guest and its children ran on,
-    though "ended" means nothing of it is alive (S5): it falls back on a KILL."""
+    though "ended" means nothing of it is alive (S5): it falls back on a KILL.
+    (A sandbox's cgroup kills at once; one without has only its pid 1 to kill.)"""
 
     async def fails(*args: Any, **kwargs: Any) -> list[int]:
         raise OSError(24, "Too many open files")
@@ -310,6 +313,8 @@ async def test_a_python_api_cancel_stops_the_guest_tree(
     if stop != "works":
         monkeypatch.setattr("supervisor.guests.stop_tree", fails)
         monkeypatch.setattr("supervisor.guests.stop_sandbox", fails)
+    if kind == "sandbox without cgroup":
+        monkeypatch.setattr(CgroupHost, "detect", staticmethod(lambda: None))
     alive_when_retired: list[list[int]] = []
     retire = Supervisor._retire
 
@@ -318,15 +323,17 @@ async def test_a_python_api_cancel_stops_the_guest_tree(
         retire(sup, execution, outcome)
 
     monkeypatch.setattr(Supervisor, "_retire", retiring)
+    sandboxed = kind != "no-sandbox"
     async with (
         asyncio.timeout(STEP_TIMEOUT_S),
-        tree_guest(quick, ledger) as (execution, run, tree),
+        Supervisor(tmp_path / "state", stop_grace_s=0.5, sandbox=sandboxed) as sup,
+        tree_guest(sup, ledger) as (execution, run, tree),
     ):
-        watch = TreeWatch(tree, sandboxed=quick.sandboxed)
+        watch = TreeWatch(tree, sandboxed=sandboxed)
         try:
             await ready(execution)
-            assert quick.cancel(execution.execution_id)
-            assert not quick.cancel(execution.execution_id)
+            assert sup.cancel(execution.execution_id)
+            assert not sup.cancel(execution.execution_id)
             outcome = await run
         finally:
             watch.close()
@@ -334,7 +341,7 @@ async def test_a_python_api_cancel_stops_the_guest_tree(
     assert alive_when_retired == [[]]  # "ended" only once nothing of it is alive
     if stop == "works":
         assert outcome.exit_status == 128 + 9  # it ignored TERM, so KILL ended it
-    if not quick.sandboxed:  # none left a zombie of ours behind (a pid lost for good)
+    if not sandboxed:  # none left a zombie of ours behind (a pid lost for good)
         assert not _zombie_children() & set(tree.values())
 
 
