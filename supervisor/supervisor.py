@@ -160,6 +160,7 @@ class Supervisor:
         self._channel: ChannelServer | None = None
         self._admin: AdminServer | None = None
         self._launched: set[asyncio.Task[RunOutcome]] = set()
+        #: Wind-downs under way (held here: the loop keeps only weak references).
         self._stopping: set[asyncio.Future[ExecutionOutcome]] = set()
         #: Set by aclose(): from then on, no guest is launched.
         self._closing = False
@@ -293,10 +294,10 @@ class Supervisor:
             execution.end()  # a run still waiting on its guest winds it down now
         # Until each is retired (every process of it ended) or, for one that
         # was still starting, could not start; bounded.
+        # (Each wind-down in _stopping retires an execution among these.)
         retired = [asyncio.ensure_future(e.stopped.wait()) for e in unretired]
-        waits: list[asyncio.Future[Any]] = [*retired, *self._stopping]
-        if waits:
-            await asyncio.wait(waits, timeout=self._stop_grace_s * 3 + STOPPED_SLACK_S)
+        if retired:
+            await asyncio.wait(retired, timeout=self._stop_grace_s * 3 + STOPPED_SLACK_S)
         for waiting in retired:
             waiting.cancel()
         if self._host_log is not None:
@@ -462,8 +463,9 @@ class Supervisor:
     @contextlib.contextmanager
     def _while_open(self) -> Iterator[None]:
         """Code that prepares a launch across awaits: refused once aclose()
-        has begun, and what fails in it if aclose() began meanwhile (the
-        store closed under it, say) is that, :class:`SupervisorClosing`."""
+        has begun, before it or after it; and what fails in it if aclose()
+        began meanwhile (the store closed under it, say) is that,
+        :class:`SupervisorClosing`."""
         self._check_open()
         try:
             yield
@@ -473,6 +475,7 @@ class Supervisor:
             raise SupervisorClosing(
                 "the supervisor is closing: it launches no guest any more"
             ) from exc
+        self._check_open()
 
     def _new_execution(
         self,
@@ -543,8 +546,6 @@ class Supervisor:
     async def _run_once(
         self, plan: Plan, invocation_id: str, invocation: _Invocation, launch: _Launch
     ) -> ExecutionOutcome:
-        with _not_started():
-            self._check_open()
         launcher = self._launcher
         if launcher is None:
             raise RuntimeError("the supervisor is not running")
