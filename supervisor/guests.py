@@ -16,6 +16,7 @@ how it is measured, and how it is stopped.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import json
@@ -38,7 +39,13 @@ from supervisor.sandbox import (
     SandboxPolicy,
     trusted_paths,
 )
-from supervisor.sandbox.start import Sandboxed, kill_sandbox, launch_sandboxed, stop_sandbox
+from supervisor.sandbox.start import (
+    Sandboxed,
+    StartAbandoned,
+    kill_sandbox,
+    launch_sandboxed,
+    stop_sandbox,
+)
 from supervisor.sandbox.usage import SandboxTree
 from supervisor.spawn import GuestProcess
 from supervisor.tracking import GuestTree, TreeTracker
@@ -245,15 +252,21 @@ class GuestLauncher:
         stdin: int | IO[Any] | None = None,
         stdout: int | IO[Any] | None = None,
         stderr: int | IO[Any] | None = None,
+        ended: asyncio.Event | None = None,
     ) -> RunningGuest:
         """Start one execution's guest; returns once its first instruction may run.
+        Once ``ended`` is set (the execution ended meanwhile), the guest is not
+        started, or a sandbox being built never lets it run.
 
         Raises:
             OSError: the command could not be started (unsandboxed), or
                 bubblewrap could not (sandboxed).
             SandboxError: the sandbox cannot be built as the plan asks.
+            StartAbandoned: ``ended`` was set before the guest could run.
         """
         if self.sandbox is None:
+            if ended is not None and ended.is_set():
+                raise StartAbandoned("off")
             process = await launch_guest(
                 argv,
                 env=env,
@@ -283,8 +296,9 @@ class GuestLauncher:
             )
             try:
                 return await self._start_sandboxed(
-                    execution_id, launch, credential, limits, on_violation, stdin, stdout, stderr
-                )
+                    execution_id, launch, credential, limits, on_violation,
+                    stdin, stdout, stderr, ended,
+                )  # fmt: skip
             except SandboxError as exc:
                 if attempt == SANDBOX_ATTEMPTS:
                     raise
@@ -320,12 +334,16 @@ class GuestLauncher:
         stdin: int | IO[Any] | None,
         stdout: int | IO[Any] | None,
         stderr: int | IO[Any] | None,
+        ended: asyncio.Event | None,
     ) -> RunningGuest:
         try:
             cgroup = self._cgroup_for(execution_id, limits)
         except BaseException:
             launch.close_fds()  # launch_sandboxed never took them
             raise
+        description = self._shared(
+            {**launch.description, "limits": cgroup.kind if cgroup is not None else "sampled"}
+        )
         try:
             process, sandboxed = await launch_sandboxed(
                 launch,
@@ -335,13 +353,16 @@ class GuestLauncher:
                 stdout=stdout,
                 stderr=stderr,
                 join=cgroup.add if cgroup is not None else None,
+                ended=ended,
             )
-        except BaseException:
+        except BaseException as exc:
             if cgroup is not None:
                 with contextlib.suppress(OSError):
                     cgroup.kill()
                 with contextlib.suppress(OSError):
                     await cgroup.remove(CGROUP_REMOVE_TIMEOUT_S)
+            if isinstance(exc, StartAbandoned):
+                raise StartAbandoned(description) from None
             raise
         sandbox_tree = SandboxTree(
             execution_id,
@@ -353,9 +374,6 @@ class GuestLauncher:
             cgroup_counts_cpu=cgroup is not None and cgroup.usage().cpu_s is not None,
         )
         self.tracker.track_sandbox(sandbox_tree, process.pid)
-        description = self._shared(
-            {**launch.description, "limits": cgroup.kind if cgroup is not None else "sampled"}
-        )
         return RunningGuest(
             execution_id, process, sandbox_tree, description, self, sandboxed, cgroup
         )

@@ -56,6 +56,7 @@ from supervisor.process import (
 from supervisor.protection import protect_process, unprotect_process
 from supervisor.receipts import Receipts
 from supervisor.sandbox import GUEST_SOCKET, SandboxHost
+from supervisor.sandbox.start import StartAbandoned
 from supervisor.spawn import GuestProcess
 from supervisor.statedir import StateDir
 from supervisor.stores import EffectStore, store_from_spec
@@ -580,7 +581,15 @@ class Supervisor:
                     stdin=asyncio.subprocess.PIPE if relay_stdin else launch.stdin,
                     stdout=asyncio.subprocess.PIPE if capture_out else launch.stdout,
                     stderr=asyncio.subprocess.PIPE if capture_err else launch.stderr,
+                    ended=execution.ended,
                 )
+        except StartAbandoned as abandoned:
+            # Ended (a cancel, a fence, aclose()) while its sandbox was built:
+            # its guest never ran, and it fences nothing.
+            execution.sandbox = abandoned.sandbox
+            outcome = _without_guest(execution, _why_ended(execution), started)
+            self._retire(execution, outcome)
+            return outcome
         except BaseException:
             self._never_started(execution)
             raise
@@ -652,18 +661,7 @@ class Supervisor:
                 )
             finally:
                 if outcome is None:
-                    outcome = ExecutionOutcome(
-                        execution_id=execution.execution_id,
-                        exit_code=None,
-                        signal=None,
-                        reason=reason,
-                        duration_s=time.monotonic() - started,
-                        cpu_s=0.0,
-                        peak_rss_bytes=None,
-                        peak_processes=0,
-                        calls=execution.calls(),
-                        sandbox=execution.sandbox,
-                    )
+                    outcome = _without_guest(execution, reason, started)
                 self._retire(execution, outcome)
             return outcome
 
@@ -975,8 +973,12 @@ class Supervisor:
         if not started.done():
             if task.cancelled() and self._closing:  # aclose() stopped it, not our caller
                 raise SupervisorClosing("the supervisor closed before the guest started")
-            task.result()  # raises why it did not start
-            raise RuntimeError("the guest ended before it started")
+            outcome = task.result()  # raises why it did not start
+            # Or it was cancelled while its sandbox was built, and never ran.
+            execution = self._executions.lookup(outcome.last.execution_id)
+            if execution is None:
+                raise RuntimeError("the guest ended before it started")
+            return execution
         return started.result()
 
 
@@ -1051,6 +1053,23 @@ def _deadline(timeout_s: float | None) -> float | None:
 def _remaining(deadline: float | None) -> float | None:
     """Seconds until ``deadline`` (None: no deadline)."""
     return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+
+
+def _without_guest(execution: Execution, reason: EndReason, started: float) -> ExecutionOutcome:
+    """The outcome of an execution whose guest never ran, or could not be
+    measured as it stopped: ``reason``, and nothing of the guest's own."""
+    return ExecutionOutcome(
+        execution_id=execution.execution_id,
+        exit_code=None,
+        signal=None,
+        reason=reason,
+        duration_s=time.monotonic() - started,
+        cpu_s=0.0,
+        peak_rss_bytes=None,
+        peak_processes=0,
+        calls=execution.calls(),
+        sandbox=execution.sandbox,
+    )
 
 
 def _why_ended(execution: Execution) -> EndReason:

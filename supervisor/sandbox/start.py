@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, Final, Protocol
 
@@ -36,6 +36,7 @@ __all__ = [
     "SANDBOX_START_TIMEOUT_S",
     "CgroupPort",
     "Sandboxed",
+    "StartAbandoned",
     "launch_sandboxed",
     "stop_sandbox",
 ]
@@ -44,8 +45,21 @@ logger = logging.getLogger(__name__)
 
 #: How long bubblewrap may take to report its sandbox's pid 1.
 SANDBOX_START_TIMEOUT_S: Final = 30.0
-#: How long a sandbox that failed to start may take to say why.
+#: How long a sandbox that failed to start may take to say why (or one
+#: abandoned, to end).
 STDERR_TAIL_TIMEOUT_S: Final = 1.0
+
+
+class StartAbandoned(Exception):
+    """The execution ended (a cancel, a fence, the supervisor closing) while
+    its guest was being started: the guest was never let run.
+
+    ``sandbox`` is the execution's ``"sandbox"``, what it would have run in.
+    """
+
+    def __init__(self, sandbox: Mapping[str, Any] | str = "off") -> None:
+        super().__init__("the execution ended before its guest could run")
+        self.sandbox = sandbox
 
 
 @dataclass(eq=False)
@@ -127,20 +141,25 @@ async def launch_sandboxed(
     stdout: int | IO[Any] | None = None,
     stderr: int | IO[Any] | None = None,
     join: Callable[[int], None] | None = None,
+    ended: asyncio.Event | None = None,
 ) -> tuple[GuestProcess, Sandboxed]:
     """Start a guest inside its sandbox; returns bubblewrap's monitor and the sandbox.
 
     bubblewrap reports the pid of the sandbox's pid 1 (``--info-fd``) before it
     runs anything of the guest, then waits on ``--block-fd``: ``join(pid)``
     (the execution's cgroup) runs in between, so the guest's first instruction
-    already runs inside it.
+    already runs inside it. Once ``ended`` is set (its execution ended while
+    bubblewrap built the sandbox), the guest is never let run.
 
     Raises:
         OSError: bubblewrap could not be started.
         SandboxError: bubblewrap ended before it reported the sandbox, or
             ``join`` failed (the sandbox is then killed).
+        StartAbandoned: ``ended`` was set first (the sandbox is then killed).
     """
     try:
+        if ended is not None and ended.is_set():
+            raise StartAbandoned  # before bubblewrap is even spawned
         env = dict(launch.env)
         # The credential is written only once the sandbox is in its cgroup: should
         # the supervisor die before, a guest that runs anyway reads nothing.
@@ -195,6 +214,8 @@ async def launch_sandboxed(
             # In a thread: joining a cgroup v1 waits for the kernel (an RCU grace
             # period, ~10 ms) while bubblewrap sets up its mounts meanwhile.
             await asyncio.to_thread(join, sandbox.init_pid)
+        if ended is not None and ended.is_set():
+            raise StartAbandoned
         if cred_w is not None:
             _write_all(cred_w, credential.encode("ascii"))
             os.close(cred_w)
@@ -209,7 +230,12 @@ async def launch_sandboxed(
             sandbox.close()
         with contextlib.suppress(ProcessLookupError):
             process.kill()
-        if isinstance(exc, Exception):  # not a cancel: the sandbox failed to start
+        if isinstance(exc, StartAbandoned):
+            # Bounded: once pid 1 is gone the namespace is, and bubblewrap exits.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STDERR_TAIL_TIMEOUT_S):
+                    await process.wait()
+        elif isinstance(exc, Exception):  # not a cancel: the sandbox failed to start
             detail = await _stderr_tail(process)
             message = exc.message if isinstance(exc, SandboxError) else str(exc)
             raise SandboxError(f"the sandbox did not start: {message}{detail}") from exc

@@ -17,6 +17,7 @@ from supervisor.admin_client import AdminClient, AdminError
 from supervisor.errors import SupervisorClosing
 from supervisor.guests import GuestLauncher, RunningGuest
 from supervisor.limits import Limits
+from supervisor.sandbox import start as sandbox_start
 from supervisor.timestamps import utc_timestamp
 from tests.harness import (
     DRIVER,
@@ -396,6 +397,45 @@ async def test_a_launch_still_starting_when_the_supervisor_closes_is_refused_not
         with pytest.raises(SupervisorClosing):
             await launching
     assert sup.executions() == []
+
+
+async def test_a_launch_cancelled_while_its_sandbox_is_built_answers_its_ended_execution(
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator cancels an execution whose sandbox is still being built:
+    its guest is never let run, and the launch answers that execution,
+    cancelled (its ``guest_pid`` null), not an error."""
+    built, release = asyncio.Event(), asyncio.Event()
+    read = sandbox_start._read_to_eof
+
+    async def held(fd: int, timeout_s: float) -> bytes:
+        info = await read(fd, timeout_s)
+        built.set()
+        await release.wait()
+        return info
+
+    monkeypatch.setattr(sandbox_start, "_read_to_eof", held)
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        async with Supervisor(tmp_path / "s", plan=billing_plan(ledger)) as sup:
+            try:
+                launching = asyncio.ensure_future(
+                    admin(sup, "POST", "/v1/invocations", {"argv": ["/bin/sleep", "30"]})
+                )
+                await built.wait()
+                [starting] = sup.executions()
+                cancelling = asyncio.ensure_future(
+                    admin(sup, "POST", f"/v1/executions/{starting.execution_id}/cancel")
+                )
+                await wait_until(lambda: not starting.live, "cancelled")
+            finally:
+                release.set()
+            launched, cancelled = await launching, await cancelling
+    assert isinstance(launched, dict) and isinstance(cancelled, dict)
+    assert launched["execution_id"] == starting.execution_id
+    assert (launched["state"], launched["guest_pid"]) == ("cancelled", None)
+    assert cancelled["state"] == "cancelled"
+    assert launched["outcome"]["reason"] == "cancelled"
+    assert launched["outcome"]["sandbox"] != "off"
 
 
 @pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])

@@ -23,6 +23,7 @@ from supervisor.limits import Limits
 from supervisor.outcomes import ExecutionOutcome
 from supervisor.reaper import Reaper
 from supervisor.sandbox import SandboxPolicy
+from supervisor.sandbox import start as sandbox_start
 from tests.harness import (
     STEP_TIMEOUT_S,
     Ledger,
@@ -652,12 +653,14 @@ async def test_closing_the_supervisor_under_a_running_run_stops_its_guest_before
 
 
 @pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
-async def test_closing_the_supervisor_while_a_guest_is_starting_waits_until_it_is_stopped(
+async def test_closing_the_supervisor_while_a_guest_is_starting_waits_and_never_runs_it(
     tmp_path: Path, ledger: Ledger, sandbox: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """aclose() waited only for executions whose guest had launched. One
     still starting launched its guest after the close had returned, with
-    the tracker, cgroups and store already closed under it."""
+    the tracker, cgroups and store already closed under it. Then it waited,
+    but the start still launched the guest, stopped at once by its run: an
+    execution that has ended lets no guest run."""
     starting, release = asyncio.Event(), asyncio.Event()
     start = GuestLauncher.start
 
@@ -679,10 +682,60 @@ async def test_closing_the_supervisor_while_a_guest_is_starting_waits_until_it_i
         finally:
             release.set()
         await closing
-        pid = execution.guest_pid
+        assert execution.guest_pid is None
         assert execution.outcome is not None and execution.outcome.reason == "cancelled"
-        assert pid is not None and not alive(pid)
-        assert (await run).last.reason == "cancelled"
+        last = (await run).last
+        assert (last.reason, last.exit_code, last.signal) == ("cancelled", None, None)
+        assert last.sandbox != "off" if sandbox else last.sandbox == "off"
+
+
+@pytest.mark.parametrize("end", ["cancel", "close"])
+async def test_a_guest_whose_execution_ends_while_its_sandbox_is_built_never_runs(
+    tmp_path: Path, ledger: Ledger, end: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The execution ended while bubblewrap was building its sandbox: the
+    start let the guest run all the same, and its run stopped it at once. A
+    start slower than aclose()'s bound (3 × the grace + 5 s) let the guest
+    run after the close had returned. The sandbox is now killed before the
+    guest's first instruction, and nothing of it is left."""
+    built, release = asyncio.Event(), asyncio.Event()
+    read = sandbox_start._read_to_eof
+
+    async def held(fd: int, timeout_s: float) -> bytes:
+        info = await read(fd, timeout_s)  # the sandbox's pid 1, blocked
+        built.set()
+        await release.wait()
+        return info
+
+    monkeypatch.setattr(sandbox_start, "_read_to_eof", held)
+    out = tmp_path / "out"
+    sup = Supervisor(tmp_path / "state", stop_grace_s=0.1)
+    with out.open("wb") as stdout:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await sup.start()
+            try:
+                run = asyncio.ensure_future(
+                    sup.run(billing_plan(ledger), ["/bin/echo", "ran"], stdout=stdout)
+                )
+                await built.wait()
+                [execution] = sup.executions()
+                sandbox = psutil.Process().children(recursive=True)
+                assert sandbox  # bubblewrap and the sandbox's pid 1
+                if end == "cancel":
+                    assert sup.cancel(execution.execution_id)
+                else:
+                    await sup.aclose()  # its wait is bounded: the start is still held
+            finally:
+                release.set()
+            last = (await run).last
+            await sup.aclose()
+            await wait_until(
+                lambda: not any(p.is_running() and alive(p.pid) for p in sandbox), "bwrap gone"
+            )
+    assert (last.reason, last.exit_code, last.signal) == ("cancelled", None, None)
+    assert execution.guest_pid is None and last.sandbox != "off"
+    assert out.read_bytes() == b""  # its guest never ran
+    assert not _zombie_children() & {p.pid for p in sandbox}
 
 
 @pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
