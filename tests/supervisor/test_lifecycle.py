@@ -710,6 +710,7 @@ async def test_a_guest_whose_execution_ends_while_its_sandbox_is_built_never_run
     monkeypatch.setattr(sandbox_start, "_read_to_eof", held)
     out = tmp_path / "out"
     sup = Supervisor(tmp_path / "state", stop_grace_s=0.1)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     with out.open("wb") as stdout:
         async with asyncio.timeout(STEP_TIMEOUT_S):
             await sup.start()
@@ -719,7 +720,9 @@ async def test_a_guest_whose_execution_ends_while_its_sandbox_is_built_never_run
                 )
                 await built.wait()
                 [execution] = sup.executions()
-                sandbox = psutil.Process().children(recursive=True)
+                sandbox = [
+                    p for p in psutil.Process().children(recursive=True) if p.pid not in before
+                ]
                 assert sandbox  # bubblewrap and the sandbox's pid 1
                 if end == "cancel":
                     assert sup.cancel(execution.execution_id)
