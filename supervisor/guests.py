@@ -266,7 +266,7 @@ class GuestLauncher:
         """
         if self.sandbox is None:
             if ended is not None and ended.is_set():
-                raise StartAbandoned("off")
+                raise StartAbandoned
             process = await launch_guest(
                 argv,
                 env=env,
@@ -296,9 +296,16 @@ class GuestLauncher:
             )
             try:
                 return await self._start_sandboxed(
-                    execution_id, launch, credential, limits, on_violation,
-                    stdin, stdout, stderr, ended,
-                )  # fmt: skip
+                    execution_id,
+                    launch,
+                    credential=credential,
+                    limits=limits,
+                    on_violation=on_violation,
+                    stdin=stdin,
+                    stdout=stdout,
+                    stderr=stderr,
+                    ended=ended,
+                )
             except SandboxError as exc:
                 if attempt == SANDBOX_ATTEMPTS:
                     raise
@@ -328,6 +335,7 @@ class GuestLauncher:
         self,
         execution_id: str,
         launch: SandboxLaunch,
+        *,
         credential: str,
         limits: Limits,
         on_violation: Callable[[EndReason], None],
@@ -362,7 +370,7 @@ class GuestLauncher:
                 with contextlib.suppress(OSError):
                     await cgroup.remove(CGROUP_REMOVE_TIMEOUT_S)
             if isinstance(exc, StartAbandoned):
-                raise StartAbandoned(description) from None
+                exc.sandbox = description
             raise
         sandbox_tree = SandboxTree(
             execution_id,

@@ -939,7 +939,9 @@ class Supervisor:
     ) -> Execution:
         """Start a guest in the background (``POST /v1/invocations``); returns once
         it runs, under :attr:`launch_limits` (``timeout_s`` overrides their
-        timeout). The supervisor stops it on :meth:`aclose`.
+        timeout). The supervisor stops it on :meth:`aclose`. An execution
+        cancelled while its sandbox was built is returned ended: its guest
+        never ran.
 
         Raises:
             RuntimeError: no plan given and none served.

@@ -45,21 +45,25 @@ logger = logging.getLogger(__name__)
 
 #: How long bubblewrap may take to report its sandbox's pid 1.
 SANDBOX_START_TIMEOUT_S: Final = 30.0
-#: How long a sandbox that failed to start may take to say why (or one
-#: abandoned, to end).
+#: How long a sandbox that failed to start may take to say why.
 STDERR_TAIL_TIMEOUT_S: Final = 1.0
+#: How long bubblewrap may take to report a sandbox whose start failed or was
+#: cancelled before its report was read (its pid 1 must be killed).
+LATE_REPORT_TIMEOUT_S: Final = 1.0
+#: How long a sandbox killed before its guest ran may take to end.
+ABANDONED_END_TIMEOUT_S: Final = 1.0
 
 
 class StartAbandoned(Exception):
     """The execution ended (a cancel, a fence, the supervisor closing) while
-    its guest was being started: the guest was never let run.
+    its guest was being started: the guest was never let run."""
 
-    ``sandbox`` is the execution's ``"sandbox"``, what it would have run in.
-    """
+    #: The execution's ``"sandbox"``: what its guest would have run in (the
+    #: launcher says; a guest without a sandbox keeps ``"off"``).
+    sandbox: Mapping[str, Any] | str = "off"
 
-    def __init__(self, sandbox: Mapping[str, Any] | str = "off") -> None:
+    def __init__(self) -> None:
         super().__init__("the execution ended before its guest could run")
-        self.sandbox = sandbox
 
 
 @dataclass(eq=False)
@@ -207,9 +211,11 @@ async def launch_sandboxed(
     for fd in theirs:
         os.close(fd)
     sandbox: Sandboxed | None = None
+    report: list[bytes] = []
     try:
-        info = await _read_to_eof(info_r, SANDBOX_START_TIMEOUT_S)
-        sandbox = _sandbox_from(info)
+        sandbox = _sandbox_from(await _read_to_eof(info_r, SANDBOX_START_TIMEOUT_S, report))
+        if ended is not None and ended.is_set():
+            raise StartAbandoned
         if join is not None:
             # In a thread: joining a cgroup v1 waits for the kernel (an RCU grace
             # period, ~10 ms) while bubblewrap sets up its mounts meanwhile.
@@ -223,19 +229,33 @@ async def launch_sandboxed(
         with contextlib.suppress(BrokenPipeError):
             os.write(block_w, b"x")  # the guest may run now
     except BaseException as exc:
-        # Its pid 1 has no parent-death signal until the guest starts: kill
-        # both, before the blocked pid 1 sees our end of the pipe close.
-        if sandbox is not None:
-            sandbox.signal(signal.SIGKILL)
-            sandbox.close()
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        if isinstance(exc, StartAbandoned):
-            # Bounded: once pid 1 is gone the namespace is, and bubblewrap exits.
+        # Its pid 1 has no parent-death signal until the guest starts, and runs
+        # it once our end of the block pipe closes: kill both before that. A
+        # cancel may have come with the report written but not read yet.
+        try:
+            if sandbox is None:
+                sandbox = await _late_report(info_r, report)
+        finally:
+            if sandbox is not None:
+                sandbox.signal(signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+        abandoned = ended is not None and ended.is_set() and isinstance(exc, Exception)
+        if abandoned:  # nothing of it runs once the run reports it ended
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(STDERR_TAIL_TIMEOUT_S):
+                async with asyncio.timeout(ABANDONED_END_TIMEOUT_S):
                     await process.wait()
-        elif isinstance(exc, Exception):  # not a cancel: the sandbox failed to start
+            if sandbox is not None:
+                await sandbox.wait_gone(ABANDONED_END_TIMEOUT_S)
+        if sandbox is not None:
+            sandbox.close()
+        if abandoned:
+            # Whatever failed once its execution had ended (its cgroup removed
+            # by the close, say): the guest was not wanted any more.
+            if isinstance(exc, StartAbandoned):
+                raise
+            raise StartAbandoned from exc
+        if isinstance(exc, Exception):  # not a cancel: the sandbox failed to start
             detail = await _stderr_tail(process)
             message = exc.message if isinstance(exc, SandboxError) else str(exc)
             raise SandboxError(f"the sandbox did not start: {message}{detail}") from exc
@@ -244,6 +264,18 @@ async def launch_sandboxed(
         for fd in ours:
             os.close(fd)
     return process, sandbox
+
+
+async def _late_report(fd: int, report: list[bytes]) -> Sandboxed | None:
+    """The sandbox bubblewrap reported, or reports within a bound, when its
+    start failed or was cancelled before ``report`` (what was read of it)
+    was whole; None if there is none."""
+    with contextlib.suppress(SandboxError, OSError):
+        await _read_to_eof(fd, LATE_REPORT_TIMEOUT_S, report)
+    try:
+        return _sandbox_from(b"".join(report))
+    except SandboxError:
+        return None
 
 
 async def _stderr_tail(process: GuestProcess) -> str:
@@ -264,11 +296,11 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-async def _read_to_eof(fd: int, timeout_s: float) -> bytes:
-    """Read a pipe to EOF on the event loop, bounded by ``timeout_s``."""
+async def _read_to_eof(fd: int, timeout_s: float, chunks: list[bytes]) -> bytes:
+    """Read a pipe to EOF on the event loop, bounded by ``timeout_s``; what
+    was read is in ``chunks`` too, should this fail or be cancelled."""
     os.set_blocking(fd, False)
     loop = asyncio.get_running_loop()
-    chunks: list[bytes] = []
     done: asyncio.Future[None] = loop.create_future()
 
     def readable() -> None:

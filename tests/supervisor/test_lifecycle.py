@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor import RunOutcome, Supervisor
+from supervisor import RunOutcome, Supervisor, guests
 from supervisor.cgroups import CgroupHost
 from supervisor.errors import StoreUnavailable
 from supervisor.executions import Execution
@@ -691,7 +691,11 @@ async def test_closing_the_supervisor_while_a_guest_is_starting_waits_and_never_
 
 @pytest.mark.parametrize("end", ["cancel", "close"])
 async def test_a_guest_whose_execution_ends_while_its_sandbox_is_built_never_runs(
-    tmp_path: Path, ledger: Ledger, end: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    ledger: Ledger,
+    end: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The execution ended while bubblewrap was building its sandbox: the
     start let the guest run all the same, and its run stopped it at once. A
@@ -701,13 +705,16 @@ async def test_a_guest_whose_execution_ends_while_its_sandbox_is_built_never_run
     built, release = asyncio.Event(), asyncio.Event()
     read = sandbox_start._read_to_eof
 
-    async def held(fd: int, timeout_s: float) -> bytes:
-        info = await read(fd, timeout_s)  # the sandbox's pid 1, blocked
+    async def held(fd: int, timeout_s: float, chunks: list[bytes]) -> bytes:
+        info = await read(fd, timeout_s, chunks)  # the sandbox's pid 1, blocked
         built.set()
         await release.wait()
         return info
 
     monkeypatch.setattr(sandbox_start, "_read_to_eof", held)
+    # One attempt: a retry must not be what turns a start the close broke
+    # (its cgroup removed under it) into an abandoned one.
+    monkeypatch.setattr(guests, "SANDBOX_ATTEMPTS", 1)
     out = tmp_path / "out"
     sup = Supervisor(tmp_path / "state", stop_grace_s=0.1)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -731,14 +738,65 @@ async def test_a_guest_whose_execution_ends_while_its_sandbox_is_built_never_run
             finally:
                 release.set()
             last = (await run).last
+            # Nothing of it runs once its run has returned.
+            assert not any(alive(p.pid) for p in sandbox)
             await sup.aclose()
-            await wait_until(
-                lambda: not any(p.is_running() and alive(p.pid) for p in sandbox), "bwrap gone"
-            )
     assert (last.reason, last.exit_code, last.signal) == ("cancelled", None, None)
     assert execution.guest_pid is None and last.sandbox != "off"
     assert out.read_bytes() == b""  # its guest never ran
     assert not _zombie_children() & {p.pid for p in sandbox}
+    assert "did not start" not in caplog.text
+
+
+async def test_a_run_cancelled_before_it_read_its_sandboxs_report_never_runs_the_guest(
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run was cancelled (a caller's timeout, Ctrl-C, aclose() ending
+    a launch) after bubblewrap had written its report but before the run
+    read it. Knowing no pid 1, the start killed bubblewrap's monitor only and
+    closed the block pipe: pid 1 ran the guest, outside its cgroup, tracked
+    by nobody, and it outlived the supervisor."""
+    reported = asyncio.Event()
+    read = sandbox_start._read_to_eof
+
+    async def unread(fd: int, timeout_s: float, chunks: list[bytes]) -> bytes:
+        if reported.is_set():  # the start's own late read, after the cancel
+            return await read(fd, timeout_s, chunks)
+        readable = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().add_reader(fd, readable.set_result, None)
+        try:
+            await readable  # the report is written, and not read
+        finally:
+            asyncio.get_running_loop().remove_reader(fd)
+        reported.set()
+        await asyncio.Event().wait()  # the cancel lands here
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(sandbox_start, "_read_to_eof", unread)
+    out = tmp_path / "out"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with out.open("wb") as stdout:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            async with Supervisor(tmp_path / "state", stop_grace_s=0.1) as sup:
+                run = asyncio.ensure_future(
+                    sup.run(
+                        billing_plan(ledger),
+                        ["/bin/sh", "-c", "echo ran; exec sleep 30"],
+                        stdout=stdout,
+                    )
+                )
+                await reported.wait()
+                started = [
+                    p for p in psutil.Process().children(recursive=True) if p.pid not in before
+                ]
+                run.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await run
+                assert sup.executions() == []  # it never started
+                await wait_until(
+                    lambda: not any(alive(p.pid) for p in started), "nothing of it runs"
+                )
+    assert out.read_bytes() == b""
 
 
 @pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "no-sandbox"])
