@@ -51,7 +51,7 @@ STDERR_TAIL_TIMEOUT_S: Final = 1.0
 #: cancelled before its report was read (its pid 1 must be killed).
 LATE_REPORT_TIMEOUT_S: Final = 1.0
 #: How long a sandbox killed before its guest ran may take to end.
-ABANDONED_END_TIMEOUT_S: Final = 1.0
+KILLED_START_END_TIMEOUT_S: Final = 1.0
 
 
 class StartAbandoned(Exception):
@@ -240,23 +240,19 @@ async def launch_sandboxed(
                 sandbox.signal(signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
+        # Whatever failed once its execution had ended (its cgroup removed by
+        # the close, say) is no failure: the guest was not wanted any more.
         abandoned = ended is not None and ended.is_set() and isinstance(exc, Exception)
-        if abandoned:  # nothing of it runs once the run reports it ended
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(ABANDONED_END_TIMEOUT_S):
-                    await process.wait()
+        failed = isinstance(exc, Exception) and not abandoned
+        try:
+            detail = await _stderr_tail(process) if failed else ""
+            await _killed_start_ended(process, sandbox)  # nothing of it runs after
+        finally:
             if sandbox is not None:
-                await sandbox.wait_gone(ABANDONED_END_TIMEOUT_S)
-        if sandbox is not None:
-            sandbox.close()
-        if abandoned:
-            # Whatever failed once its execution had ended (its cgroup removed
-            # by the close, say): the guest was not wanted any more.
-            if isinstance(exc, StartAbandoned):
-                raise
+                sandbox.close()
+        if abandoned and not isinstance(exc, StartAbandoned):
             raise StartAbandoned from exc
-        if isinstance(exc, Exception):  # not a cancel: the sandbox failed to start
-            detail = await _stderr_tail(process)
+        if failed:
             message = exc.message if isinstance(exc, SandboxError) else str(exc)
             raise SandboxError(f"the sandbox did not start: {message}{detail}") from exc
         raise
@@ -264,6 +260,16 @@ async def launch_sandboxed(
         for fd in ours:
             os.close(fd)
     return process, sandbox
+
+
+async def _killed_start_ended(process: GuestProcess, sandbox: Sandboxed | None) -> None:
+    """Wait (bounded) until bubblewrap and the sandbox's pid 1, both killed
+    before its guest ran, are gone."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(KILLED_START_END_TIMEOUT_S):
+            await process.wait()
+    if sandbox is not None:
+        await sandbox.wait_gone(KILLED_START_END_TIMEOUT_S)
 
 
 async def _late_report(fd: int, report: list[bytes]) -> Sandboxed | None:
