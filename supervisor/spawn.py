@@ -147,27 +147,45 @@ async def spawn(
         close_fds=True,
         start_new_session=True,
     )
+    # Each pipe handed to a transport of the loop is the transport's to close.
+    handed: dict[int, asyncio.BaseTransport] = {}
     try:
-        writer = await _writer(popen.stdin) if popen.stdin is not None else None
-        out = await _reader(popen.stdout) if popen.stdout is not None else None
-        err = await _reader(popen.stderr) if popen.stderr is not None else None
+        writer = await _writer(popen.stdin, handed) if popen.stdin is not None else None
+        out = await _reader(popen.stdout, handed) if popen.stdout is not None else None
+        err = await _reader(popen.stderr, handed) if popen.stderr is not None else None
     except BaseException:
         popen.kill()
         popen.wait()
+        for pipe in (popen.stdin, popen.stdout, popen.stderr):
+            if pipe is None:
+                continue
+            transport = handed.get(pipe.fileno())
+            if transport is None:
+                pipe.close()
+            else:
+                transport.close()
         raise
     return GuestProcess(popen, stdin=writer, stdout=out, stderr=err)
 
 
-async def _reader(pipe: IO[bytes]) -> asyncio.StreamReader:
+async def _reader(
+    pipe: IO[bytes], handed: dict[int, asyncio.BaseTransport]
+) -> asyncio.StreamReader:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(loop=loop)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop), pipe)
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader, loop=loop), pipe
+    )
+    handed[pipe.fileno()] = transport
     return reader
 
 
-async def _writer(pipe: IO[bytes]) -> asyncio.StreamWriter:
+async def _writer(
+    pipe: IO[bytes], handed: dict[int, asyncio.BaseTransport]
+) -> asyncio.StreamWriter:
     loop = asyncio.get_running_loop()
     transport, protocol = await loop.connect_write_pipe(
         lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader(loop=loop), loop=loop), pipe
     )
+    handed[pipe.fileno()] = transport
     return asyncio.StreamWriter(transport, protocol, None, loop)

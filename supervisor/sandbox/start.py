@@ -15,11 +15,13 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, Final, Protocol
 
+from supervisor.errors import HostcallError
 from supervisor.process import (
     STOP_GRACE_S,
     CredentialTransport,
@@ -47,11 +49,10 @@ logger = logging.getLogger(__name__)
 SANDBOX_START_TIMEOUT_S: Final = 30.0
 #: How long a sandbox that failed to start may take to say why.
 STDERR_TAIL_TIMEOUT_S: Final = 1.0
-#: How long bubblewrap may take to report a sandbox whose start failed or was
-#: cancelled before its report was read (its pid 1 must be killed).
-LATE_REPORT_TIMEOUT_S: Final = 1.0
 #: How long a sandbox killed before its guest ran may take to end.
 KILLED_START_END_TIMEOUT_S: Final = 1.0
+#: How often the processes holding a killed start's block pipe are looked for.
+HOLDERS_POLL_S: Final = 0.01
 
 
 class StartAbandoned(Exception):
@@ -205,15 +206,20 @@ async def launch_sandboxed(
             pass_fds=theirs,
         )
     except BaseException:
-        for fd in [*ours, *theirs]:
+        for fd in theirs:
+            os.close(fd)
+        # spawn() killed and reaped bubblewrap if it had started it; a pid 1
+        # it cloned first may still wait on the block pipe.
+        if await _uncancelled(_never_run(block_w, None, None)):
+            ours.remove(block_w)  # left open: one that could not be killed stays blocked
+        for fd in ours:
             os.close(fd)
         raise
     for fd in theirs:
         os.close(fd)
     sandbox: Sandboxed | None = None
-    report: list[bytes] = []
     try:
-        sandbox = _sandbox_from(await _read_to_eof(info_r, SANDBOX_START_TIMEOUT_S, report))
+        sandbox = _sandbox_from(await _read_to_eof(info_r, SANDBOX_START_TIMEOUT_S))
         if ended is not None and ended.is_set():
             raise StartAbandoned
         if join is not None:
@@ -230,29 +236,21 @@ async def launch_sandboxed(
             os.write(block_w, b"x")  # the guest may run now
     except BaseException as exc:
         # Its pid 1 has no parent-death signal until the guest starts, and runs
-        # it once our end of the block pipe closes: kill both before that. A
-        # cancel may have come with the report written but not read yet.
+        # it once our end of the block pipe closes: nothing of it may be left.
         try:
-            if sandbox is None:
-                sandbox = await _late_report(info_r, report)
-        finally:
-            if sandbox is not None:
-                sandbox.signal(signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-        # Whatever failed once its execution had ended (its cgroup removed by
-        # the close, say) is no failure: the guest was not wanted any more.
-        abandoned = ended is not None and ended.is_set() and isinstance(exc, Exception)
-        failed = isinstance(exc, Exception) and not abandoned
-        try:
-            detail = await _stderr_tail(process) if failed else ""
-            await _killed_start_ended(process, sandbox)  # nothing of it runs after
+            if await _uncancelled(_never_run(block_w, process, sandbox)):
+                ours.remove(block_w)  # left open: one that could not be killed stays blocked
         finally:
             if sandbox is not None:
                 sandbox.close()
-        if abandoned and not isinstance(exc, StartAbandoned):
+        if isinstance(exc, StartAbandoned):
+            raise
+        if ended is not None and ended.is_set() and isinstance(exc, OSError | HostcallError):
+            # What failed once its execution had ended (its cgroup removed by
+            # the close, say) is no failure: the guest was not wanted any more.
             raise StartAbandoned from exc
-        if failed:
+        if isinstance(exc, Exception):  # not a cancel: the sandbox failed to start
+            detail = await _stderr_tail(process)
             message = exc.message if isinstance(exc, SandboxError) else str(exc)
             raise SandboxError(f"the sandbox did not start: {message}{detail}") from exc
         raise
@@ -262,26 +260,94 @@ async def launch_sandboxed(
     return process, sandbox
 
 
-async def _killed_start_ended(process: GuestProcess, sandbox: Sandboxed | None) -> None:
-    """Wait (bounded) until bubblewrap and the sandbox's pid 1, both killed
-    before its guest ran, are gone."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(KILLED_START_END_TIMEOUT_S):
-            await process.wait()
+async def _never_run(block_w: int, process: GuestProcess | None, sandbox: Sandboxed | None) -> bool:
+    """Kill what a start that will not let its guest run has started: the
+    sandbox's pid 1, bubblewrap, and whoever else still holds the block pipe
+    (a pid 1 bubblewrap cloned but never reported, ours once bubblewrap is
+    gone: we are a subreaper). Bounded; waits until they are gone. Returns
+    whether one is left that could not be killed: then ``block_w`` must stay
+    open, or it would run the guest."""
     if sandbox is not None:
-        await sandbox.wait_gone(KILLED_START_END_TIMEOUT_S)
+        sandbox.signal(signal.SIGKILL)
+    if process is not None:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + KILLED_START_END_TIMEOUT_S
+    if process is not None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await process.wait()
+    killed = {process.pid} if process is not None else set()
+    while _read_by_others(block_w):
+        if loop.time() >= deadline:
+            logger.error("a sandbox's pid 1 could not be killed; it stays blocked")
+            return True
+        for pid in set(_holders(block_w)) - killed:
+            killed.add(pid)
+            _kill_and_reap(pid)
+        await asyncio.sleep(HOLDERS_POLL_S)
+    if sandbox is not None:
+        await sandbox.wait_gone(max(0.0, deadline - loop.time()))
+    return False
 
 
-async def _late_report(fd: int, report: list[bytes]) -> Sandboxed | None:
-    """The sandbox bubblewrap reported, or reports within a bound, when its
-    start failed or was cancelled before ``report`` (what was read of it)
-    was whole; None if there is none."""
-    with contextlib.suppress(SandboxError, OSError):
-        await _read_to_eof(fd, LATE_REPORT_TIMEOUT_S, report)
+def _read_by_others(block_w: int) -> bool:
+    """Whether a process still holds the read end of the block pipe (ours is closed)."""
+    poll = select.poll()
+    poll.register(block_w, select.POLLOUT)
+    return not any(events & select.POLLERR for _, events in poll.poll(0))
+
+
+def _holders(block_w: int) -> list[int]:
+    """Our descendants that hold the read end of the block pipe."""
+    pipe = f"pipe:[{os.fstat(block_w).st_ino}]"
+    found: list[int] = []
     try:
-        return _sandbox_from(b"".join(report))
-    except SandboxError:
+        ours = descendants(os.getpid(), process_map())
+    except OSError:  # out of descriptors, say: looked for again until the deadline
+        return found
+    for pid in ours:
+        with contextlib.suppress(OSError):
+            fds = f"/proc/{pid}/fd"
+            if any(_link(f"{fds}/{fd}") == pipe for fd in os.listdir(fds)):
+                found.append(pid)
+    return found
+
+
+def _kill_and_reap(pid: int) -> None:
+    """SIGKILL ``pid``, and have it reaped once it exits if it is our child
+    (a pid 1 whose bubblewrap ended first: we are a subreaper)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # gone already, or no pidfd here: by pid, then
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        return
+    with contextlib.suppress(OSError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    Reaper.shared().watch(pid, pidfd)
+
+
+def _link(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
         return None
+
+
+async def _uncancelled(awaitable: Awaitable[bool]) -> bool:
+    """Await to its end, cancelled or not: a cancel meanwhile is raised after."""
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
 
 
 async def _stderr_tail(process: GuestProcess) -> str:
@@ -302,11 +368,11 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-async def _read_to_eof(fd: int, timeout_s: float, chunks: list[bytes]) -> bytes:
-    """Read a pipe to EOF on the event loop, bounded by ``timeout_s``; what
-    was read is in ``chunks`` too, should this fail or be cancelled."""
+async def _read_to_eof(fd: int, timeout_s: float) -> bytes:
+    """Read a pipe to EOF on the event loop, bounded by ``timeout_s``."""
     os.set_blocking(fd, False)
     loop = asyncio.get_running_loop()
+    chunks: list[bytes] = []
     done: asyncio.Future[None] = loop.create_future()
 
     def readable() -> None:
@@ -364,7 +430,12 @@ def _sandbox_from(info: bytes) -> Sandboxed:
     if pidfd is not None:
         # If its monitor ends first, pid 1 becomes our child (we are a
         # subreaper): the reaper then reaps it, loop or no loop.
-        Reaper.shared().watch(init_pid, os.dup(pidfd))
+        try:
+            Reaper.shared().watch(init_pid, os.dup(pidfd))
+        except BaseException:
+            os.close(nsfd)
+            os.close(pidfd)
+            raise
     return Sandboxed(init_pid, pidns, pidfd, nsfd)
 
 

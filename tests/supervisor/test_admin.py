@@ -408,8 +408,8 @@ async def test_a_launch_cancelled_while_its_sandbox_is_built_answers_its_ended_e
     built, release = asyncio.Event(), asyncio.Event()
     read = sandbox_start._read_to_eof
 
-    async def held(fd: int, timeout_s: float, chunks: list[bytes]) -> bytes:
-        info = await read(fd, timeout_s, chunks)
+    async def held(fd: int, timeout_s: float) -> bytes:
+        info = await read(fd, timeout_s)
         built.set()
         await release.wait()
         return info

@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor import RunOutcome, Supervisor, guests
+from supervisor import RunOutcome, Supervisor, guests, spawn
 from supervisor.cgroups import CgroupHost
 from supervisor.errors import StoreUnavailable
 from supervisor.executions import Execution
@@ -705,8 +705,8 @@ async def test_a_guest_whose_execution_ends_while_its_sandbox_is_built_never_run
     built, release = asyncio.Event(), asyncio.Event()
     read = sandbox_start._read_to_eof
 
-    async def held(fd: int, timeout_s: float, chunks: list[bytes]) -> bytes:
-        info = await read(fd, timeout_s, chunks)  # the sandbox's pid 1, blocked
+    async def held(fd: int, timeout_s: float) -> bytes:
+        info = await read(fd, timeout_s)  # the sandbox's pid 1, blocked
         built.set()
         await release.wait()
         return info
@@ -748,34 +748,52 @@ async def test_a_guest_whose_execution_ends_while_its_sandbox_is_built_never_run
     assert "did not start" not in caplog.text
 
 
-async def test_a_run_cancelled_before_it_read_its_sandboxs_report_never_runs_the_guest(
-    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("where", ["report-unread", "cancelled-twice", "spawning"])
+async def test_a_run_cancelled_while_its_sandbox_starts_never_runs_the_guest(
+    tmp_path: Path, ledger: Ledger, where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The run was cancelled (a caller's timeout, Ctrl-C, aclose() ending
-    a launch) after bubblewrap had written its report but before the run
-    read it. Knowing no pid 1, the start killed bubblewrap's monitor only and
-    closed the block pipe: pid 1 ran the guest, outside its cgroup, tracked
-    by nobody, and it outlived the supervisor. Now nothing of it is left
-    running by the time the cancelled run returns."""
-    reported = asyncio.Event()
-    read = sandbox_start._read_to_eof
+    """The run was cancelled (a caller's timeout, Ctrl-C, aclose() ending a
+    launch) while bubblewrap had cloned the sandbox's pid 1: with its report
+    written but not read yet; a second time while the start was killing it;
+    or while spawn() still connected bubblewrap's pipes. Knowing no pid 1,
+    the start killed bubblewrap alone and closed the block pipe, and pid 1
+    ran the guest, outside its cgroup, tracked by nobody, outliving the
+    supervisor. Now nothing of it runs by the time the run has returned."""
+    held, killing = asyncio.Event(), asyncio.Event()
 
-    async def unread(fd: int, timeout_s: float, chunks: list[bytes]) -> bytes:
-        if reported.is_set():  # the start's own late read, after the cancel
-            return await read(fd, timeout_s, chunks)
+    async def unread(fd: int, timeout_s: float) -> bytes:
         readable = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().add_reader(fd, readable.set_result, None)
         try:
             await readable  # the report is written, and not read
         finally:
             asyncio.get_running_loop().remove_reader(fd)
-        reported.set()
+        held.set()
         await asyncio.Event().wait()  # the cancel lands here
         raise AssertionError("unreachable")
 
-    monkeypatch.setattr(sandbox_start, "_read_to_eof", unread)
+    async def connecting(pipe: Any, handed: Any) -> asyncio.StreamReader:
+        held.set()
+        await asyncio.Event().wait()  # the cancel lands here
+        raise AssertionError("unreachable")
+
+    never_run = sandbox_start._never_run
+
+    async def watched(*args: Any) -> bool:
+        killing.set()
+        return await never_run(*args)
+
+    if where == "spawning":
+        monkeypatch.setattr(spawn, "_reader", connecting)
+    else:
+        monkeypatch.setattr(sandbox_start, "_read_to_eof", unread)
+    monkeypatch.setattr(sandbox_start, "_never_run", watched)
     out = tmp_path / "out"
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+
+    def started() -> list[psutil.Process]:
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
     with out.open("wb") as stdout:
         async with asyncio.timeout(STEP_TIMEOUT_S):
             async with Supervisor(tmp_path / "state", stop_grace_s=0.1) as sup:
@@ -786,15 +804,20 @@ async def test_a_run_cancelled_before_it_read_its_sandboxs_report_never_runs_the
                         stdout=stdout,
                     )
                 )
-                await reported.wait()
-                started = [
-                    p for p in psutil.Process().children(recursive=True) if p.pid not in before
-                ]
+                await held.wait()
+                await wait_until(lambda: len(started()) >= 2, "bubblewrap and its pid 1")
+                sandbox = started()
                 run.cancel()
+                if where == "cancelled-twice":
+                    await killing.wait()
+                    run.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await run
+                assert killing.is_set()
                 assert sup.executions() == []  # it never started
-                assert not any(alive(p.pid) for p in started)  # nothing of it runs
+                assert not any(alive(p.pid) for p in sandbox)  # nothing of it runs
+                pids = {p.pid for p in sandbox}
+                await wait_until(lambda: not _zombie_children() & pids, "all of it reaped")
     assert out.read_bytes() == b""
 
 
