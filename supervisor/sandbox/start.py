@@ -210,8 +210,8 @@ async def launch_sandboxed(
             os.close(fd)
         # spawn() killed and reaped bubblewrap if it had started it; a pid 1
         # it cloned first may still wait on the block pipe.
-        if await _uncancelled(_never_run(block_w, None, None)):
-            ours.remove(block_w)  # left open: one that could not be killed stays blocked
+        ours.remove(block_w)  # closed by _never_run once nobody can run the guest
+        await _uncancelled(_never_run(block_w, None, None))
         for fd in ours:
             os.close(fd)
         raise
@@ -238,8 +238,8 @@ async def launch_sandboxed(
         # Its pid 1 has no parent-death signal until the guest starts, and runs
         # it once our end of the block pipe closes: nothing of it may be left.
         try:
-            if await _uncancelled(_never_run(block_w, process, sandbox)):
-                ours.remove(block_w)  # left open: one that could not be killed stays blocked
+            ours.remove(block_w)  # closed by _never_run once nobody can run the guest
+            await _uncancelled(_never_run(block_w, process, sandbox))
         finally:
             if sandbox is not None:
                 sandbox.close()
@@ -260,13 +260,13 @@ async def launch_sandboxed(
     return process, sandbox
 
 
-async def _never_run(block_w: int, process: GuestProcess | None, sandbox: Sandboxed | None) -> bool:
+async def _never_run(block_w: int, process: GuestProcess | None, sandbox: Sandboxed | None) -> None:
     """Kill what a start that will not let its guest run has started: the
     sandbox's pid 1, bubblewrap, and whoever else still holds the block pipe
     (a pid 1 bubblewrap cloned but never reported, ours once bubblewrap is
-    gone: we are a subreaper). Bounded; waits until they are gone. Returns
-    whether one is left that could not be killed: then ``block_w`` must stay
-    open, or it would run the guest."""
+    gone: we are a subreaper); then close ``block_w``. Bounded; waits until
+    they are gone. One that could not be killed keeps ``block_w`` open, and
+    so stays blocked: its end would run the guest."""
     if sandbox is not None:
         sandbox.signal(signal.SIGKILL)
     if process is not None:
@@ -282,14 +282,14 @@ async def _never_run(block_w: int, process: GuestProcess | None, sandbox: Sandbo
     while _read_by_others(block_w):
         if loop.time() >= deadline:
             logger.error("a sandbox's pid 1 could not be killed; it stays blocked")
-            return True
+            return
         for pid in set(_holders(block_w)) - killed:
             killed.add(pid)
             _kill_and_reap(pid)
         await asyncio.sleep(HOLDERS_POLL_S)
+    os.close(block_w)
     if sandbox is not None:
         await sandbox.wait_gone(max(0.0, deadline - loop.time()))
-    return False
 
 
 def _read_by_others(block_w: int) -> bool:
@@ -336,7 +336,7 @@ def _link(path: str) -> str | None:
         return None
 
 
-async def _uncancelled(awaitable: Awaitable[bool]) -> bool:
+async def _uncancelled(awaitable: Awaitable[None]) -> None:
     """Await to its end, cancelled or not: a cancel meanwhile is raised after."""
     task = asyncio.ensure_future(awaitable)
     cancelled = False
@@ -347,7 +347,7 @@ async def _uncancelled(awaitable: Awaitable[bool]) -> bool:
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError
-    return task.result()
+    task.result()
 
 
 async def _stderr_tail(process: GuestProcess) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -746,6 +747,77 @@ async def test_a_guest_whose_execution_ends_while_its_sandbox_is_built_never_run
     assert out.read_bytes() == b""  # its guest never ran
     assert not _zombie_children() & {p.pid for p in sandbox}
     assert "did not start" not in caplog.text
+
+
+async def test_a_pid_1_the_start_cannot_kill_keeps_the_block_pipe_and_never_runs_the_guest(
+    tmp_path: Path,
+    ledger: Ledger,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pid 1 the start cannot find to kill (out of descriptors, say), and
+    a second cancel while it tried: the cancel cut the kill short, and the
+    block pipe's write end closed, which runs the guest. That end stays
+    open now, and pid 1 stays blocked on it."""
+    held, killing = asyncio.Event(), asyncio.Event()
+
+    async def unread(fd: int, timeout_s: float) -> bytes:
+        readable = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().add_reader(fd, readable.set_result, None)
+        try:
+            await readable  # the report is written, and not read
+        finally:
+            asyncio.get_running_loop().remove_reader(fd)
+        held.set()
+        await asyncio.Event().wait()  # the cancel lands here
+        raise AssertionError("unreachable")
+
+    never_run = sandbox_start._never_run
+    block_pipe: list[str] = []
+
+    async def watched(block_w: int, *args: Any) -> None:
+        block_pipe.append(f"pipe:[{os.fstat(block_w).st_ino}]")
+        killing.set()
+        await never_run(block_w, *args)
+
+    monkeypatch.setattr(sandbox_start, "_read_to_eof", unread)
+    monkeypatch.setattr(sandbox_start, "_holders", lambda block_w: [])
+    monkeypatch.setattr(sandbox_start, "_never_run", watched)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    blocked: list[psutil.Process] = []
+    try:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            async with Supervisor(tmp_path / "state", stop_grace_s=0.1) as sup:
+                run = asyncio.ensure_future(
+                    sup.run(billing_plan(ledger), ["/bin/sleep", "30"], stdout=subprocess.DEVNULL)
+                )
+                await held.wait()
+                await wait_until(
+                    lambda: len(psutil.Process().children(recursive=True)) - len(before) >= 2,
+                    "bubblewrap and its pid 1",
+                )
+                run.cancel()
+                await killing.wait()
+                run.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await run
+        blocked = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        [pid_1] = blocked  # bubblewrap is gone; its pid 1, ours now, is not
+        assert pid_1.name() == "bwrap"  # the guest never replaced it
+
+        def pipes(pid: int | str) -> set[str]:
+            links = set()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(FileNotFoundError):  # the listing's own
+                    links.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            return links
+
+        # It waits on the block pipe, whose write end is still held open.
+        assert block_pipe[0] in pipes(pid_1.pid) & pipes("self")
+        assert "could not be killed; it stays blocked" in caplog.text
+    finally:
+        for process in blocked:
+            process.kill()
 
 
 @pytest.mark.parametrize("where", ["report-unread", "cancelled-twice", "spawning"])
