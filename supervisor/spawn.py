@@ -41,8 +41,10 @@ class GuestProcess:
         stdin: asyncio.StreamWriter | None,
         stdout: asyncio.StreamReader | None,
         stderr: asyncio.StreamReader | None,
+        transports: Sequence[asyncio.BaseTransport] = (),
     ) -> None:
         self._popen = popen
+        self._transports = transports
         self.pid = popen.pid
         self.stdin = stdin
         self.stdout = stdout
@@ -62,6 +64,12 @@ class GuestProcess:
         else:
             self._signal_fd = os.dup(pidfd)
             Reaper.shared().watch(self.pid, pidfd, self._reaped)
+
+    def close_pipes(self) -> None:
+        """Close its stdio pipes, for one never handed to a caller (a start
+        that failed midway): nobody else would."""
+        for transport in self._transports:
+            transport.close()
 
     def _reaped(self, code: int | None) -> None:
         """On the reaper's thread: hand the exit to the loop (if it still runs)."""
@@ -165,7 +173,9 @@ async def spawn(
             else:
                 transport.close()
         raise
-    return GuestProcess(popen, stdin=writer, stdout=out, stderr=err)
+    return GuestProcess(
+        popen, stdin=writer, stdout=out, stderr=err, transports=list(handed.values())
+    )
 
 
 async def _reader(

@@ -15,9 +15,8 @@ import contextlib
 import json
 import logging
 import os
-import select
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, Final, Protocol
 
@@ -31,6 +30,7 @@ from supervisor.process import (
 from supervisor.reaper import Reaper
 from supervisor.sandbox.bwrap import SandboxLaunch
 from supervisor.sandbox.policy import SandboxError
+from supervisor.sandbox.unstarted import never_run, spawned_since, uncancelled
 from supervisor.spawn import GuestProcess, spawn
 from supervisor.tracking import descendants, process_map
 
@@ -49,10 +49,6 @@ logger = logging.getLogger(__name__)
 SANDBOX_START_TIMEOUT_S: Final = 30.0
 #: How long a sandbox that failed to start may take to say why.
 STDERR_TAIL_TIMEOUT_S: Final = 1.0
-#: How long a sandbox killed before its guest ran may take to end.
-KILLED_START_END_TIMEOUT_S: Final = 1.0
-#: How often the processes holding a killed start's block pipe are looked for.
-HOLDERS_POLL_S: Final = 0.01
 
 
 class StartAbandoned(Exception):
@@ -187,6 +183,7 @@ async def launch_sandboxed(
     except BaseException:
         launch.close_fds()  # not yet among theirs
         raise
+    since = spawned_since()  # no process of this start is older
     try:
         options = [*launch.options, "--info-fd", str(info_w), "--block-fd", str(block_r)]
         if launch.seccomp is not None:
@@ -208,12 +205,14 @@ async def launch_sandboxed(
     except BaseException:
         for fd in theirs:
             os.close(fd)
-        # spawn() killed and reaped bubblewrap if it had started it; a pid 1
-        # it cloned first may still wait on the block pipe.
-        ours.remove(block_w)  # closed by _never_run once nobody can run the guest
-        await _uncancelled(_never_run(block_w, None, None))
-        for fd in ours:
-            os.close(fd)
+        ours.remove(block_w)  # closed by never_run once nobody can run the guest
+        try:
+            # spawn() killed and reaped bubblewrap if it had started it; a pid 1
+            # it cloned first may still wait on the block pipe.
+            await uncancelled(never_run(block_w, None, None, since))
+        finally:
+            for fd in ours:
+                os.close(fd)
         raise
     for fd in theirs:
         os.close(fd)
@@ -238,116 +237,27 @@ async def launch_sandboxed(
         # Its pid 1 has no parent-death signal until the guest starts, and runs
         # it once our end of the block pipe closes: nothing of it may be left.
         try:
-            ours.remove(block_w)  # closed by _never_run once nobody can run the guest
-            await _uncancelled(_never_run(block_w, process, sandbox))
+            ours.remove(block_w)  # closed by never_run once nobody can run the guest
+            await uncancelled(never_run(block_w, process, sandbox, since))
+            if isinstance(exc, StartAbandoned):
+                raise
+            if ended is not None and ended.is_set() and isinstance(exc, OSError | HostcallError):
+                # What failed once its execution had ended (its cgroup removed by
+                # the close, say) is no failure: the guest was not wanted any more.
+                raise StartAbandoned from exc
+            if isinstance(exc, Exception):  # not a cancel: the sandbox failed to start
+                detail = await _stderr_tail(process)
+                message = exc.message if isinstance(exc, SandboxError) else str(exc)
+                raise SandboxError(f"the sandbox did not start: {message}{detail}") from exc
+            raise
         finally:
             if sandbox is not None:
                 sandbox.close()
-        if isinstance(exc, StartAbandoned):
-            raise
-        if ended is not None and ended.is_set() and isinstance(exc, OSError | HostcallError):
-            # What failed once its execution had ended (its cgroup removed by
-            # the close, say) is no failure: the guest was not wanted any more.
-            raise StartAbandoned from exc
-        if isinstance(exc, Exception):  # not a cancel: the sandbox failed to start
-            detail = await _stderr_tail(process)
-            message = exc.message if isinstance(exc, SandboxError) else str(exc)
-            raise SandboxError(f"the sandbox did not start: {message}{detail}") from exc
-        raise
+            process.close_pipes()  # the caller never gets it
     finally:
         for fd in ours:
             os.close(fd)
     return process, sandbox
-
-
-async def _never_run(block_w: int, process: GuestProcess | None, sandbox: Sandboxed | None) -> None:
-    """Kill what a start that will not let its guest run has started: the
-    sandbox's pid 1, bubblewrap, and whoever else still holds the block pipe
-    (a pid 1 bubblewrap cloned but never reported, ours once bubblewrap is
-    gone: we are a subreaper); then close ``block_w``. Bounded; waits until
-    they are gone. One that could not be killed keeps ``block_w`` open, and
-    so stays blocked: its end would run the guest."""
-    if sandbox is not None:
-        sandbox.signal(signal.SIGKILL)
-    if process is not None:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + KILLED_START_END_TIMEOUT_S
-    if process is not None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout_at(deadline):
-                await process.wait()
-    killed = {process.pid} if process is not None else set()
-    while _read_by_others(block_w):
-        if loop.time() >= deadline:
-            logger.error("a sandbox's pid 1 could not be killed; it stays blocked")
-            return
-        for pid in set(_holders(block_w)) - killed:
-            killed.add(pid)
-            _kill_and_reap(pid)
-        await asyncio.sleep(HOLDERS_POLL_S)
-    os.close(block_w)
-    if sandbox is not None:
-        await sandbox.wait_gone(max(0.0, deadline - loop.time()))
-
-
-def _read_by_others(block_w: int) -> bool:
-    """Whether a process still holds the read end of the block pipe (ours is closed)."""
-    poll = select.poll()
-    poll.register(block_w, select.POLLOUT)
-    return not any(events & select.POLLERR for _, events in poll.poll(0))
-
-
-def _holders(block_w: int) -> list[int]:
-    """Our descendants that hold the read end of the block pipe."""
-    pipe = f"pipe:[{os.fstat(block_w).st_ino}]"
-    found: list[int] = []
-    try:
-        ours = descendants(os.getpid(), process_map())
-    except OSError:  # out of descriptors, say: looked for again until the deadline
-        return found
-    for pid in ours:
-        with contextlib.suppress(OSError):
-            fds = f"/proc/{pid}/fd"
-            if any(_link(f"{fds}/{fd}") == pipe for fd in os.listdir(fds)):
-                found.append(pid)
-    return found
-
-
-def _kill_and_reap(pid: int) -> None:
-    """SIGKILL ``pid``, and have it reaped once it exits if it is our child
-    (a pid 1 whose bubblewrap ended first: we are a subreaper)."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:  # gone already, or no pidfd here: by pid, then
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-        return
-    with contextlib.suppress(OSError):
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    Reaper.shared().watch(pid, pidfd)
-
-
-def _link(path: str) -> str | None:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return None
-
-
-async def _uncancelled(awaitable: Awaitable[None]) -> None:
-    """Await to its end, cancelled or not: a cancel meanwhile is raised after."""
-    task = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    task.result()
 
 
 async def _stderr_tail(process: GuestProcess) -> str:

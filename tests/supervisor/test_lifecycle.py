@@ -23,7 +23,7 @@ from supervisor.guests import GuestLauncher, RunningGuest
 from supervisor.limits import Limits
 from supervisor.outcomes import ExecutionOutcome
 from supervisor.reaper import Reaper
-from supervisor.sandbox import SandboxPolicy
+from supervisor.sandbox import SandboxPolicy, unstarted
 from supervisor.sandbox import start as sandbox_start
 from tests.harness import (
     STEP_TIMEOUT_S,
@@ -772,7 +772,7 @@ async def test_a_pid_1_the_start_cannot_kill_keeps_the_block_pipe_and_never_runs
         await asyncio.Event().wait()  # the cancel lands here
         raise AssertionError("unreachable")
 
-    never_run = sandbox_start._never_run
+    never_run = sandbox_start.never_run
     block_pipe: list[str] = []
 
     async def watched(block_w: int, *args: Any) -> None:
@@ -781,8 +781,8 @@ async def test_a_pid_1_the_start_cannot_kill_keeps_the_block_pipe_and_never_runs
         await never_run(block_w, *args)
 
     monkeypatch.setattr(sandbox_start, "_read_to_eof", unread)
-    monkeypatch.setattr(sandbox_start, "_holders", lambda block_w: [])
-    monkeypatch.setattr(sandbox_start, "_never_run", watched)
+    monkeypatch.setattr(unstarted, "_holders", lambda *args: [])
+    monkeypatch.setattr(sandbox_start, "never_run", watched)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     blocked: list[psutil.Process] = []
     try:
@@ -849,7 +849,7 @@ async def test_a_run_cancelled_while_its_sandbox_starts_never_runs_the_guest(
         await asyncio.Event().wait()  # the cancel lands here
         raise AssertionError("unreachable")
 
-    never_run = sandbox_start._never_run
+    never_run = sandbox_start.never_run
 
     async def watched(*args: Any) -> bool:
         killing.set()
@@ -859,7 +859,7 @@ async def test_a_run_cancelled_while_its_sandbox_starts_never_runs_the_guest(
         monkeypatch.setattr(spawn, "_reader", connecting)
     else:
         monkeypatch.setattr(sandbox_start, "_read_to_eof", unread)
-    monkeypatch.setattr(sandbox_start, "_never_run", watched)
+    monkeypatch.setattr(sandbox_start, "never_run", watched)
     out = tmp_path / "out"
     before = {p.pid for p in psutil.Process().children(recursive=True)}
 
