@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -749,6 +750,20 @@ async def test_a_guest_whose_execution_ends_while_its_sandbox_is_built_never_run
     assert "did not start" not in caplog.text
 
 
+async def report_unread(held: asyncio.Event, fd: int, timeout_s: float) -> bytes:
+    """Stands in for the start's read of bubblewrap's report: waits until it
+    is written, reads none of it, sets ``held``, and waits for a cancel."""
+    readable = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().add_reader(fd, readable.set_result, None)
+    try:
+        await readable
+    finally:
+        asyncio.get_running_loop().remove_reader(fd)
+    held.set()
+    await asyncio.Event().wait()  # the cancel lands here
+    raise AssertionError("unreachable")
+
+
 async def test_a_pid_1_the_start_cannot_kill_keeps_the_block_pipe_and_never_runs_the_guest(
     tmp_path: Path,
     ledger: Ledger,
@@ -761,17 +776,6 @@ async def test_a_pid_1_the_start_cannot_kill_keeps_the_block_pipe_and_never_runs
     open now, and pid 1 stays blocked on it."""
     held, killing = asyncio.Event(), asyncio.Event()
 
-    async def unread(fd: int, timeout_s: float) -> bytes:
-        readable = asyncio.get_running_loop().create_future()
-        asyncio.get_running_loop().add_reader(fd, readable.set_result, None)
-        try:
-            await readable  # the report is written, and not read
-        finally:
-            asyncio.get_running_loop().remove_reader(fd)
-        held.set()
-        await asyncio.Event().wait()  # the cancel lands here
-        raise AssertionError("unreachable")
-
     never_run = sandbox_start.never_run
     block_pipe: list[str] = []
 
@@ -780,7 +784,7 @@ async def test_a_pid_1_the_start_cannot_kill_keeps_the_block_pipe_and_never_runs
         killing.set()
         await never_run(block_w, *args)
 
-    monkeypatch.setattr(sandbox_start, "_read_to_eof", unread)
+    monkeypatch.setattr(sandbox_start, "_read_to_eof", functools.partial(report_unread, held))
     monkeypatch.setattr(unstarted, "_holders", lambda *args: [])
     monkeypatch.setattr(sandbox_start, "never_run", watched)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -833,17 +837,6 @@ async def test_a_run_cancelled_while_its_sandbox_starts_never_runs_the_guest(
     supervisor. Now nothing of it runs by the time the run has returned."""
     held, killing = asyncio.Event(), asyncio.Event()
 
-    async def unread(fd: int, timeout_s: float) -> bytes:
-        readable = asyncio.get_running_loop().create_future()
-        asyncio.get_running_loop().add_reader(fd, readable.set_result, None)
-        try:
-            await readable  # the report is written, and not read
-        finally:
-            asyncio.get_running_loop().remove_reader(fd)
-        held.set()
-        await asyncio.Event().wait()  # the cancel lands here
-        raise AssertionError("unreachable")
-
     async def connecting(pipe: Any, handed: Any) -> asyncio.StreamReader:
         held.set()
         await asyncio.Event().wait()  # the cancel lands here
@@ -858,7 +851,7 @@ async def test_a_run_cancelled_while_its_sandbox_starts_never_runs_the_guest(
     if where == "spawning":
         monkeypatch.setattr(spawn, "_reader", connecting)
     else:
-        monkeypatch.setattr(sandbox_start, "_read_to_eof", unread)
+        monkeypatch.setattr(sandbox_start, "_read_to_eof", functools.partial(report_unread, held))
     monkeypatch.setattr(sandbox_start, "never_run", watched)
     out = tmp_path / "out"
     before = {p.pid for p in psutil.Process().children(recursive=True)}
