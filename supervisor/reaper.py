@@ -21,6 +21,7 @@ every second, until it is ours or its parent has reaped it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import select
@@ -30,7 +31,7 @@ from typing import ClassVar, Final
 
 from channel.peer import still_alive
 
-__all__ = ["Reaper"]
+__all__ = ["Reaper", "pidfd_exited"]
 
 #: How long the thread sleeps when it has nothing to watch but its wake pipe.
 _IDLE_POLL_MS: Final = 60_000
@@ -123,3 +124,23 @@ class Reaper:
         for on_exit, returncode in done:
             if on_exit is not None:
                 on_exit(returncode)
+
+
+async def pidfd_exited(pidfd: int, timeout_s: float) -> bool:
+    """Wait (bounded) until the process ``pidfd`` pins has exited; whether it has."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await exited
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(pidfd)
+    return True

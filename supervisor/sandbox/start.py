@@ -27,7 +27,7 @@ from supervisor.process import (
     credential_fd,
     wait_exited,
 )
-from supervisor.reaper import Reaper
+from supervisor.reaper import Reaper, pidfd_exited
 from supervisor.sandbox.bwrap import SandboxLaunch
 from supervisor.sandbox.policy import SandboxError
 from supervisor.sandbox.unstarted import never_run, spawned_since, uncancelled
@@ -97,21 +97,7 @@ class Sandboxed:
         """
         gone = True
         if self.pidfd is not None:
-            loop = asyncio.get_running_loop()
-            ended: asyncio.Future[None] = loop.create_future()
-
-            def readable() -> None:
-                if not ended.done():
-                    ended.set_result(None)
-
-            loop.add_reader(self.pidfd, readable)
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await ended
-            except TimeoutError:
-                gone = False
-            finally:
-                loop.remove_reader(self.pidfd)
+            gone = await pidfd_exited(self.pidfd, timeout_s)
             if gone:
                 # Ours if the monitor ended first: reap it now rather than when
                 # the reaper's thread gets to it, so no zombie outlives the stop.

@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable
 from typing import Final, Protocol
 
-from supervisor.reaper import Reaper
+from supervisor.reaper import Reaper, pidfd_exited
 from supervisor.spawn import GuestProcess
 from supervisor.tracking import proc_snapshot
 
@@ -94,7 +94,7 @@ async def never_run(
         os.close(block_w)
         # A process lets go of its descriptors before it has quite exited.
         for pidfd in exiting:
-            await _exited(pidfd, max(0.0, deadline - loop.time()))
+            await pidfd_exited(pidfd, max(0.0, deadline - loop.time()))
         if pid_1 is not None:
             await pid_1.wait_gone(max(0.0, deadline - loop.time()))
     finally:
@@ -159,25 +159,6 @@ def _kill_and_reap(pid: int) -> list[int]:
     finally:
         Reaper.shared().watch(pid, pidfd)
     return [mine]
-
-
-async def _exited(pidfd: int, timeout_s: float) -> None:
-    """Wait (bounded) until the process ``pidfd`` pins has exited."""
-    loop = asyncio.get_running_loop()
-    exited: asyncio.Future[None] = loop.create_future()
-
-    def readable() -> None:
-        if not exited.done():
-            exited.set_result(None)
-
-    loop.add_reader(pidfd, readable)
-    try:
-        async with asyncio.timeout(timeout_s):
-            await exited
-    except TimeoutError:
-        pass
-    finally:
-        loop.remove_reader(pidfd)
 
 
 def _link(path: str) -> str | None:
