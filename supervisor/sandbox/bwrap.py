@@ -17,6 +17,11 @@ Either way: new pid, mount, ipc, uts, cgroup and (unless the plan says
 ``network = "host"``) network namespaces; ``--die-with-parent``;
 ``--new-session`` (no controlling terminal to push keystrokes into).
 
+The guest's own program runs behind a gate (:meth:`SandboxLaunch.command`): a
+shell line that lets it run only on the supervisor's go-ahead, which a pipe's
+end is not. bubblewrap's ``--block-fd`` takes that end for a go-ahead, and
+the end is what a supervisor killed while a guest starts leaves behind.
+
 bubblewrap's own argv is the guest's, to the letter: every option, and with
 them every host path (the state dir's socket among them), is read from a pipe
 (``--args``), so that no process the guest can see names the state dir.
@@ -52,6 +57,8 @@ from supervisor.sandbox.seccomp import syscall_filter
 
 __all__ = [
     "DEFAULT_GUEST_UID",
+    "GATE_SHUT_EXIT",
+    "GO_AHEAD",
     "NO_SANDBOX_HINT",
     "SandboxHost",
     "SandboxLaunch",
@@ -69,6 +76,21 @@ SOCKETS_PER_FOLDER: Final = 8
 #: The most Unix-socket masks one sandbox gets.
 MAX_SOCKET_MASKS: Final = 256
 NO_SANDBOX_HINT: Final = "run with --no-sandbox to start guests without one (they are then trusted)"
+#: What the supervisor writes to the block pipe to let a guest run: one byte
+#: for bubblewrap's ``--block-fd``, then one line for the gate.
+GO_AHEAD: Final = b"x\n"
+#: The exit status of a gate that found the block pipe ended, not the go-ahead.
+GATE_SHUT_EXIT: Final = 125
+#: The gate: ``$1`` is its own descriptor of the block pipe (bubblewrap closes
+#: the one it reads before the command runs). dash takes no descriptor above 9
+#: in a redirection, so the pipe is opened again through ``/proc``; the
+#: descriptor itself stays open in the guest, at the pipe's end.
+_GATE: Final = f'read -r _ < "/proc/self/fd/$1" || exit {GATE_SHUT_EXIT}; shift; exec "$@"'
+
+
+def gate(fd: int) -> list[str]:
+    """The gate's command line, reading the go-ahead from descriptor ``fd``."""
+    return ["/bin/sh", "-c", _GATE, "hostcall-gate", str(fd)]
 
 
 def bwrap_executable() -> Path | None:
@@ -97,8 +119,10 @@ class SandboxLaunch:
     program: Path
     #: The options written into the ``--args`` pipe.
     options: tuple[str, ...]
-    #: What runs inside: ``[setpriv … --] [setsid] CMD ARG…``.
-    command: tuple[str, ...]
+    #: What runs inside before the gate: ``[setpriv … --] [setsid]``.
+    prefix: tuple[str, ...]
+    #: The guest's own command: ``CMD ARG…``.
+    argv: tuple[str, ...]
     env: Mapping[str, str]
     #: The execution's ``"sandbox"`` object (docs/sandbox.md), ``limits`` added by the caller.
     description: Mapping[str, Any]
@@ -110,6 +134,19 @@ class SandboxLaunch:
     #: Descriptors the options name (``--bind-fd``): bubblewrap inherits them,
     #: and whoever starts it closes them, started or not (:meth:`close_fds`).
     pass_fds: tuple[int, ...] = ()
+    #: The uid and gid the gate runs as, where they are not the supervisor's
+    #: (as root): the block pipe must be theirs for the gate to open it.
+    gate_owner: tuple[int, int] | None = None
+
+    def command(self, gate_fd: int) -> list[str]:
+        """What bubblewrap runs: the prefix, the gate reading ``gate_fd`` (a
+        second descriptor of the ``--block-fd`` pipe), then the guest.
+
+        The gate runs the guest only once it reads the line of
+        :data:`GO_AHEAD` that follows bubblewrap's byte. At the pipe's end
+        instead (the supervisor died, or gave the start up, before its
+        go-ahead) it exits :data:`GATE_SHUT_EXIT` and nothing of the guest runs."""
+        return [*self.prefix, *gate(gate_fd), *self.argv]
 
     def close_fds(self) -> None:
         """Close :attr:`pass_fds` (once: the caller that owns them)."""
@@ -281,13 +318,15 @@ class SandboxHost:
             return SandboxLaunch(
                 program=self.bwrap,
                 options=tuple(options),
-                command=(*self.command_prefix(), *argv),
+                prefix=tuple(self.command_prefix()),
+                argv=tuple(argv),
                 env=_scrubbed(env, [str(p) for p in state_dirs], inside_socket),
                 description=description,
                 exposed=tuple(layout.exposed),
                 masked=tuple(layout.masked),
                 seccomp=seccomp,
                 pass_fds=tuple(fd for fd, _ in held.values()),
+                gate_owner=(self.account.uid, self.account.gid) if self.root else None,
             )
         except BaseException:
             for fd, _ in held.values():
@@ -525,23 +564,43 @@ def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
         overlay = ["--overlay-src", scratch, "--tmp-overlay", scratch]
         base = ["--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
         for with_overlay in (True, False):
-            command = [
-                bwrap,
-                *base,
-                *(overlay if with_overlay else []),
-                *host.namespace_options("none"),
-                "--",
-                *host.command_prefix(),
-                true,
-            ]
+            # The gate too, its go-ahead written before: a host where it cannot
+            # run fails here rather than every guest with exit status 125.
+            block_r, block_w = os.pipe()
+            os.write(block_w, GO_AHEAD)  # two bytes into an empty pipe
+            os.close(block_w)
+            held = [block_r]
             try:
+                gate_r = os.dup(block_r)
+                held.append(gate_r)
+                if root:
+                    os.fchown(block_r, account.uid, account.gid)
+                command = [
+                    bwrap,
+                    *base,
+                    *(overlay if with_overlay else []),
+                    *host.namespace_options("none"),
+                    "--block-fd",
+                    str(block_r),
+                    "--",
+                    *host.command_prefix(),
+                    *gate(gate_r),
+                    true,
+                ]
                 done = subprocess.run(
-                    command, capture_output=True, timeout=PROBE_TIMEOUT_S, check=False
+                    command,
+                    capture_output=True,
+                    timeout=PROBE_TIMEOUT_S,
+                    check=False,
+                    pass_fds=(block_r, gate_r),
                 )
             except (OSError, subprocess.TimeoutExpired) as exc:
                 raise SandboxError(
                     f"no sandbox: cannot run {bwrap}: {exc}; {NO_SANDBOX_HINT}"
                 ) from None
+            finally:
+                for fd in held:
+                    os.close(fd)
             if done.returncode == 0:
                 return dataclasses.replace(host, overlay=with_overlay)
             reason = done.stderr.decode(errors="replace").strip().splitlines()

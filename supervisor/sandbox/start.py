@@ -4,8 +4,9 @@ The process we start is bubblewrap's monitor, whose child becomes pid 1 of the
 guest's own pid namespace and starts the command. Nothing of the guest can
 leave that namespace, and when its pid 1 dies the kernel kills everything in
 it at once: that is the atomic end of the tree. The command waits (bubblewrap's
-``--block-fd``) until the supervisor has put pid 1 into the execution's cgroup,
-so no guest code runs outside it.
+``--block-fd``, then the gate) until the supervisor has put pid 1 into the
+execution's cgroup and written the go-ahead, so no guest code runs outside it,
+nor at all if the supervisor dies first.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Final, Protocol
 
 from supervisor.errors import HostcallError
+from supervisor.faults import crash_point
 from supervisor.process import (
     STOP_GRACE_S,
     CredentialTransport,
@@ -28,9 +30,9 @@ from supervisor.process import (
     wait_exited,
 )
 from supervisor.reaper import Reaper, pidfd_exited
-from supervisor.sandbox.bwrap import SandboxLaunch
+from supervisor.sandbox.bwrap import GO_AHEAD, SandboxLaunch
 from supervisor.sandbox.policy import SandboxError
-from supervisor.sandbox.unstarted import never_run, spawned_since, uncancelled
+from supervisor.sandbox.unstarted import holds, never_run, spawned_since, uncancelled
 from supervisor.spawn import GuestProcess, spawn
 from supervisor.tracking import descendants, process_map
 
@@ -162,10 +164,20 @@ async def launch_sandboxed(
         args_r = os.memfd_create("hostcall-bwrap-args", os.MFD_CLOEXEC)
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
+        if launch.gate_owner is not None:
+            os.fchown(block_r, *launch.gate_owner)  # for the gate to open it
+        gate_r = os.dup(block_r)
         ours = [info_r, block_w, *([] if cred_w is None else [cred_w])]
         # The launch's own descriptors (--bind-fd) are theirs too: closed here
         # once bubblewrap has them, or failed to start.
-        theirs = [args_r, info_w, block_r, *([] if cred_r is None else [cred_r]), *launch.pass_fds]
+        theirs = [
+            args_r,
+            info_w,
+            block_r,
+            gate_r,
+            *([] if cred_r is None else [cred_r]),
+            *launch.pass_fds,
+        ]
     except BaseException:
         launch.close_fds()  # not yet among theirs
         raise
@@ -181,7 +193,7 @@ async def launch_sandboxed(
         _write_all(args_r, b"".join(o.encode() + b"\0" for o in options))
         os.lseek(args_r, 0, os.SEEK_SET)
         process = await spawn(
-            [str(launch.program), "--args", str(args_r), "--", *launch.command],
+            [str(launch.program), "--args", str(args_r), "--", *launch.command(gate_r)],
             env=env,
             stdin=stdin,
             stdout=stdout,
@@ -191,7 +203,7 @@ async def launch_sandboxed(
     except BaseException:
         for fd in theirs:
             os.close(fd)
-        ours.remove(block_w)  # closed by never_run once nobody can run the guest
+        ours.remove(block_w)  # closed by never_run
         try:
             # spawn() killed and reaped bubblewrap if it had started it; a pid 1
             # it cloned first may still wait on the block pipe.
@@ -213,17 +225,21 @@ async def launch_sandboxed(
             await asyncio.to_thread(join, sandbox.init_pid)
         if ended is not None and ended.is_set():
             raise StartAbandoned
+        # The fault harness's crash: once bubblewrap's monitor has let pid 1 go
+        # on to wait for us (the monitor then closes its copy of the block pipe).
+        # Killed earlier, it leaves pid 1 asleep in bubblewrap for good.
+        crash_point("sandbox_joined", ready=lambda: not holds(process.pid, block_w))
         if cred_w is not None:
             _write_all(cred_w, credential.encode("ascii"))
             os.close(cred_w)
             ours.remove(cred_w)
         with contextlib.suppress(BrokenPipeError):
-            os.write(block_w, b"x")  # the guest may run now
+            os.write(block_w, GO_AHEAD)  # the guest may run now
     except BaseException as exc:
-        # Its pid 1 has no parent-death signal until the guest starts, and runs
-        # it once our end of the block pipe closes: nothing of it may be left.
+        # Its pid 1 has no parent-death signal until the guest starts: nothing
+        # of it may be left. (The gate never runs the guest on the pipe's end.)
         try:
-            ours.remove(block_w)  # closed by never_run once nobody can run the guest
+            ours.remove(block_w)  # closed by never_run
             await uncancelled(never_run(block_w, process, sandbox, since))
             if isinstance(exc, StartAbandoned):
                 raise

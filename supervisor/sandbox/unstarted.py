@@ -1,14 +1,16 @@
 """Ending a sandbox whose guest must never run: its start failed, was
 cancelled, or its execution ended first.
 
-bubblewrap's pid 1 waits on ``--block-fd`` before it runs the guest, and takes
-the end of that pipe for its go-ahead as much as a byte: so the supervisor's
-write end may close only once no process holds the read end any more. Until
-the guest runs, pid 1 has no parent-death signal either. :func:`never_run`
-kills bubblewrap and the pid 1 the start knows of, then whoever else still
-holds the pipe — a pid 1 bubblewrap cloned but never reported, the
-supervisor's child once bubblewrap is gone (it is a subreaper) — and only then
-closes the pipe. A cancel meanwhile does not cut that short.
+bubblewrap's pid 1 waits on ``--block-fd`` before it runs the command, and
+takes the end of that pipe for its go-ahead as much as a byte. The gate
+before the guest's program does not (:meth:`~supervisor.sandbox.bwrap.SandboxLaunch.command`):
+at the pipe's end it exits, and the guest never runs. Until the guest runs,
+pid 1 has no parent-death signal either, so it is killed here, that nothing of
+the start outlives it: :func:`never_run` kills bubblewrap and the pid 1 the
+start knows of, then whoever else still holds the pipe — a pid 1 bubblewrap
+cloned but never reported, the supervisor's child once bubblewrap is gone (it
+is a subreaper) — and waits until they are gone. A cancel meanwhile does not
+cut that short.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from supervisor.reaper import Reaper, pidfd_exited
 from supervisor.spawn import GuestProcess
 from supervisor.tracking import proc_snapshot
 
-__all__ = ["KILLED_START_END_TIMEOUT_S", "never_run", "spawned_since", "uncancelled"]
+__all__ = ["KILLED_START_END_TIMEOUT_S", "holds", "never_run", "spawned_since", "uncancelled"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +64,9 @@ async def never_run(
     since: int,
 ) -> None:
     """Kill what a start that will not let its guest run has started
-    (``since``: :func:`spawned_since` before bubblewrap was), then close
-    ``block_w``. Bounded; waits until they are gone. One that could not be
-    killed keeps ``block_w`` open, and so stays blocked for as long as the
-    supervisor runs."""
+    (``since``: :func:`spawned_since` before bubblewrap was), close
+    ``block_w``, and wait until they are gone. Bounded: one that could not be
+    killed meets the gate, which ends it without running the guest."""
     if pid_1 is not None:
         pid_1.signal(signal.SIGKILL)
     if process is not None:
@@ -87,8 +88,10 @@ async def never_run(
                 exiting.extend(_kill_and_reap(pid))
             if loop.time() >= deadline:  # after one look at least, however late
                 if _read_by_others(block_w):
-                    logger.error("a sandbox's pid 1 could not be killed; it stays blocked")
-                    return
+                    logger.warning(
+                        "a sandbox's pid 1 could not be killed; "
+                        "its gate ends it without running the guest"
+                    )
                 break
             await asyncio.sleep(HOLDERS_POLL_S)
         os.close(block_w)
@@ -127,20 +130,25 @@ def _holders(block_w: int, parents: set[int], since: int) -> list[int]:
     """Children of ``parents`` started ``since``, that hold the read end of
     the block pipe: a pid 1 is bubblewrap's child, or ours once it is gone.
     (Not every descendant: a guest's thousands of descriptors are not read.)"""
-    pipe = f"pipe:[{os.fstat(block_w).st_ino}]"
     try:
         snapshot = proc_snapshot()
     except OSError:  # out of descriptors, say: looked for again until the deadline
         return []
-    found: list[int] = []
-    for pid, stat in snapshot.items():
-        if stat.ppid not in parents or stat.start < since:
-            continue
-        with contextlib.suppress(OSError):
-            fds = f"/proc/{pid}/fd"
-            if any(_link(f"{fds}/{fd}") == pipe for fd in os.listdir(fds)):
-                found.append(pid)
-    return found
+    return [
+        pid
+        for pid, stat in snapshot.items()
+        if stat.ppid in parents and stat.start >= since and holds(pid, block_w)
+    ]
+
+
+def holds(pid: int, block_w: int) -> bool:
+    """Whether ``pid`` holds a descriptor of the block pipe."""
+    pipe = f"pipe:[{os.fstat(block_w).st_ino}]"
+    fds = f"/proc/{pid}/fd"
+    try:
+        return any(_link(f"{fds}/{fd}") == pipe for fd in os.listdir(fds))
+    except OSError:
+        return False
 
 
 def _kill_and_reap(pid: int) -> list[int]:

@@ -19,6 +19,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.parse
@@ -811,6 +812,61 @@ def test_a_supervisor_killed_with_sigkill_takes_every_guest_process_with_it(
     assert tasks == [], "the dead supervisor's cgroups still hold processes"
     if account.root:
         assert cgroups, "as root the guest ran in a cgroup of the supervisor's"
+
+
+#: Runs ARGV as a child subreaper and reaps every process that comes to it, so
+#: that it returns only once nothing of a killed supervisor's guests is left;
+#: prints the first child's wait status.
+REAP_ALL = r"""
+import os, subprocess, sys
+from supervisor.tracking import become_subreaper
+become_subreaper()
+first = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL)
+status = None
+while True:
+    try:
+        pid, wait_status = os.wait()
+    except ChildProcessError:
+        break
+    if pid == first.pid:
+        status = os.waitstatus_to_exitcode(wait_status)
+print(status)
+"""
+
+
+def test_a_supervisor_killed_while_its_guest_starts_never_lets_the_guest_run(
+    account: Account,
+) -> None:
+    """S5 by the supervisor's death in the middle of a start, its sandbox's pid
+    1 in the cgroup and waiting for the go-ahead (``HOSTCALL_FAULT`` kills the
+    supervisor right there). bubblewrap takes the end of its block pipe for a
+    go-ahead, and pid 1 has no parent-death signal until the guest runs: the
+    guest ran, untracked, with nobody left to stop it. The gate before the
+    guest's program ends the sandbox instead. Whatever the dead supervisor
+    leaves comes to a subreaper, which returns once all of it has ended."""
+    shared = guest_folder(account, "shared")
+    supervisor = account.command(
+        "run",
+        "--state-dir",
+        str(account.home / "state"),
+        "--plan",
+        str(plan_file(account, shared_plan(account))),
+        "--",
+        "/bin/sh",
+        "-c",
+        f"echo ran > {shared}/ran",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", REAP_ALL, *supervisor],
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT_S * 2,
+        check=False,
+        cwd=account.home,
+        env=account.env(HOSTCALL_FAULT="sandbox_joined"),
+    )
+    assert done.stdout.strip() == str(-signal.SIGKILL), done.stderr[-3000:]
+    assert not (shared / "ran").exists(), "the guest ran after its supervisor died"
 
 
 #: Tries the system calls the seccomp filter refuses as kernel attack surface,

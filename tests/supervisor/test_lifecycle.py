@@ -7,7 +7,6 @@ import contextlib
 import functools
 import json
 import os
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from supervisor.outcomes import ExecutionOutcome
 from supervisor.reaper import Reaper
 from supervisor.sandbox import SandboxPolicy, unstarted
 from supervisor.sandbox import start as sandbox_start
+from supervisor.sandbox.bwrap import GATE_SHUT_EXIT
 from tests.harness import (
     STEP_TIMEOUT_S,
     Ledger,
@@ -764,7 +764,7 @@ async def report_unread(held: asyncio.Event, fd: int, timeout_s: float) -> bytes
     raise AssertionError("unreachable")
 
 
-async def test_a_pid_1_the_start_cannot_kill_keeps_the_block_pipe_and_never_runs_the_guest(
+async def test_a_pid_1_the_start_cannot_kill_meets_the_gate_and_never_runs_the_guest(
     tmp_path: Path,
     ledger: Ledger,
     monkeypatch: pytest.MonkeyPatch,
@@ -772,56 +772,50 @@ async def test_a_pid_1_the_start_cannot_kill_keeps_the_block_pipe_and_never_runs
 ) -> None:
     """A pid 1 the start cannot find to kill (out of descriptors, say), and
     a second cancel while it tried: the cancel cut the kill short, and the
-    block pipe's write end closed, which runs the guest. That end stays
-    open now, and pid 1 stays blocked on it."""
+    block pipe's write end closed, which bubblewrap takes for its go-ahead.
+    The gate before the guest's program does not: pid 1 goes on to it, and it
+    exits 125 without running the guest."""
     held, killing = asyncio.Event(), asyncio.Event()
-
     never_run = sandbox_start.never_run
-    block_pipe: list[str] = []
 
-    async def watched(block_w: int, *args: Any) -> None:
-        block_pipe.append(f"pipe:[{os.fstat(block_w).st_ino}]")
+    async def watched(*args: Any) -> None:
         killing.set()
-        await never_run(block_w, *args)
+        await never_run(*args)
 
     monkeypatch.setattr(sandbox_start, "_read_to_eof", functools.partial(report_unread, held))
     monkeypatch.setattr(unstarted, "_holders", lambda *args: [])
     monkeypatch.setattr(sandbox_start, "never_run", watched)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    blocked: list[psutil.Process] = []
+    left: list[psutil.Process] = []
+    out = tmp_path / "out"
     try:
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            async with Supervisor(tmp_path / "state", stop_grace_s=0.1) as sup:
-                run = asyncio.ensure_future(
-                    sup.run(billing_plan(ledger), ["/bin/sleep", "30"], stdout=subprocess.DEVNULL)
-                )
-                await held.wait()
-                await wait_until(
-                    lambda: len(psutil.Process().children(recursive=True)) - len(before) >= 2,
-                    "bubblewrap and its pid 1",
-                )
-                run.cancel()
-                await killing.wait()
-                run.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await run
-        blocked = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-        [pid_1] = blocked  # bubblewrap is gone; its pid 1, ours now, is not
-        assert pid_1.name() == "bwrap"  # the guest never replaced it
-
-        def pipes(pid: int | str) -> set[str]:
-            links = set()
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(FileNotFoundError):  # the listing's own
-                    links.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            return links
-
-        # It waits on the block pipe, whose write end is still held open.
-        assert block_pipe[0] in pipes(pid_1.pid) & pipes("self")
-        assert "could not be killed; it stays blocked" in caplog.text
+        with out.open("wb") as stdout:
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                async with Supervisor(tmp_path / "state", stop_grace_s=0.1) as sup:
+                    run = asyncio.ensure_future(
+                        sup.run(billing_plan(ledger), ["/bin/echo", "ran"], stdout=stdout)
+                    )
+                    await held.wait()
+                    await wait_until(
+                        lambda: len(psutil.Process().children(recursive=True)) - len(before) >= 2,
+                        "bubblewrap and its pid 1",
+                    )
+                    run.cancel()
+                    await killing.wait()
+                    run.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await run
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        [pid_1] = left  # bubblewrap is gone; its pid 1, ours now, was not killed
+        assert pid_1.name() == "bwrap"
+        # It ends by itself: bubblewrap's init exits with its command's status.
+        assert await asyncio.to_thread(pid_1.wait, STEP_TIMEOUT_S) == GATE_SHUT_EXIT
+        assert out.read_bytes() == b""  # the guest never ran
+        assert "could not be killed; its gate ends it without running the guest" in caplog.text
     finally:
-        for process in blocked:
-            process.kill()
+        for process in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 
 @pytest.mark.parametrize("where", ["report-unread", "cancelled-twice", "spawning"])
