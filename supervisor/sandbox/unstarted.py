@@ -85,7 +85,7 @@ async def never_run(
             # In a thread: with many guests the walk of /proc takes milliseconds.
             for pid in set(await asyncio.to_thread(_holders, block_w, parents, since)) - killed:
                 killed.add(pid)
-                exiting.extend(_kill_and_reap(pid))
+                exiting.extend(_kill_and_reap(pid, block_w))
             if loop.time() >= deadline:  # after one look at least, however late
                 if _read_by_others(block_w):
                     logger.warning(
@@ -151,7 +151,7 @@ def holds(pid: int, block_w: int) -> bool:
         return False
 
 
-def _kill_and_reap(pid: int) -> list[int]:
+def _kill_and_reap(pid: int, block_w: int) -> list[int]:
     """SIGKILL ``pid``, and have it reaped once it exits if it is our child;
     a pidfd of it to wait on (none if it had none, or was gone)."""
     try:
@@ -159,6 +159,11 @@ def _kill_and_reap(pid: int) -> list[int]:
     except OSError:  # gone already, or no pidfd here: by pid, then
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+        return []
+    if not holds(pid, block_w):
+        # Gone since the walk, and its pid taken by another process: the
+        # pidfd, opened first, names the process looked at now.
+        os.close(pidfd)
         return []
     with contextlib.suppress(OSError):
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)

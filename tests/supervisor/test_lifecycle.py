@@ -818,6 +818,39 @@ async def test_a_pid_1_the_start_cannot_kill_meets_the_gate_and_never_runs_the_g
                 process.kill()
 
 
+async def test_a_holder_gone_since_the_walk_is_not_killed_under_its_reused_pid(
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk of ``/proc`` names the processes holding the block pipe, and
+    each is killed a moment later, by pid. One that died in between may have
+    had its pid taken by another process, which the kill then hit. The kill
+    now opens a pidfd first and checks that the process it names holds the
+    pipe still. Here the walk names a process that never held it."""
+    held = asyncio.Event()
+    holders = unstarted._holders
+    innocent = await asyncio.create_subprocess_exec("/bin/sleep", "60")
+    monkeypatch.setattr(sandbox_start, "_read_to_eof", functools.partial(report_unread, held))
+    monkeypatch.setattr(unstarted, "_holders", lambda *args: [innocent.pid, *holders(*args)])
+    out = tmp_path / "out"
+    try:
+        with out.open("wb") as stdout:
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                async with Supervisor(tmp_path / "state", stop_grace_s=0.1) as sup:
+                    run = asyncio.ensure_future(
+                        sup.run(billing_plan(ledger), ["/bin/echo", "ran"], stdout=stdout)
+                    )
+                    await held.wait()
+                    run.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await run
+        assert alive(innocent.pid)
+        assert out.read_bytes() == b""
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            innocent.kill()
+        await innocent.wait()
+
+
 @pytest.mark.parametrize("where", ["report-unread", "cancelled-twice", "spawning"])
 async def test_a_run_cancelled_while_its_sandbox_starts_never_runs_the_guest(
     tmp_path: Path, ledger: Ledger, where: str, monkeypatch: pytest.MonkeyPatch
