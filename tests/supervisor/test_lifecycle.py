@@ -764,6 +764,22 @@ async def report_unread(held: asyncio.Event, fd: int, timeout_s: float) -> bytes
     raise AssertionError("unreachable")
 
 
+@contextlib.asynccontextmanager
+async def echo_held(
+    tmp_path: Path, ledger: Ledger, held: asyncio.Event, out: Path
+) -> AsyncIterator[asyncio.Future[RunOutcome]]:
+    """A supervisor's run of ``/bin/echo ran`` (its stdout ``out``), once
+    ``held`` says its start is held; the supervisor closes on the way out."""
+    with out.open("wb") as stdout:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            async with Supervisor(tmp_path / "state", stop_grace_s=0.1) as sup:
+                run = asyncio.ensure_future(
+                    sup.run(billing_plan(ledger), ["/bin/echo", "ran"], stdout=stdout)
+                )
+                await held.wait()
+                yield run
+
+
 async def test_a_pid_1_the_start_cannot_kill_meets_the_gate_and_never_runs_the_guest(
     tmp_path: Path,
     ledger: Ledger,
@@ -789,22 +805,16 @@ async def test_a_pid_1_the_start_cannot_kill_meets_the_gate_and_never_runs_the_g
     left: list[psutil.Process] = []
     out = tmp_path / "out"
     try:
-        with out.open("wb") as stdout:
-            async with asyncio.timeout(STEP_TIMEOUT_S):
-                async with Supervisor(tmp_path / "state", stop_grace_s=0.1) as sup:
-                    run = asyncio.ensure_future(
-                        sup.run(billing_plan(ledger), ["/bin/echo", "ran"], stdout=stdout)
-                    )
-                    await held.wait()
-                    await wait_until(
-                        lambda: len(psutil.Process().children(recursive=True)) - len(before) >= 2,
-                        "bubblewrap and its pid 1",
-                    )
-                    run.cancel()
-                    await killing.wait()
-                    run.cancel()
-                    with pytest.raises(asyncio.CancelledError):
-                        await run
+        async with echo_held(tmp_path, ledger, held, out) as run:
+            await wait_until(
+                lambda: len(psutil.Process().children(recursive=True)) - len(before) >= 2,
+                "bubblewrap and its pid 1",
+            )
+            run.cancel()
+            await killing.wait()
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
         left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         [pid_1] = left  # bubblewrap is gone; its pid 1, ours now, was not killed
         assert pid_1.name() == "bwrap"
@@ -833,16 +843,10 @@ async def test_a_holder_gone_since_the_walk_is_not_killed_under_its_reused_pid(
     monkeypatch.setattr(unstarted, "_holders", lambda *args: [innocent.pid, *holders(*args)])
     out = tmp_path / "out"
     try:
-        with out.open("wb") as stdout:
-            async with asyncio.timeout(STEP_TIMEOUT_S):
-                async with Supervisor(tmp_path / "state", stop_grace_s=0.1) as sup:
-                    run = asyncio.ensure_future(
-                        sup.run(billing_plan(ledger), ["/bin/echo", "ran"], stdout=stdout)
-                    )
-                    await held.wait()
-                    run.cancel()
-                    with pytest.raises(asyncio.CancelledError):
-                        await run
+        async with echo_held(tmp_path, ledger, held, out) as run:
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
         assert alive(innocent.pid)
         assert out.read_bytes() == b""
     finally:
