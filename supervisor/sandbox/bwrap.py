@@ -63,6 +63,7 @@ __all__ = [
     "SandboxHost",
     "SandboxLaunch",
     "bwrap_executable",
+    "gate_pipe",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,27 @@ _GATE: Final = f'read -r _ < "/proc/self/fd/$1" || exit {GATE_SHUT_EXIT}; shift;
 def gate(fd: int) -> list[str]:
     """The gate's command line, reading the go-ahead from descriptor ``fd``."""
     return ["/bin/sh", "-c", _GATE, "hostcall-gate", str(fd)]
+
+
+def gate_pipe(group: int | None) -> tuple[int, int, int]:
+    """The block pipe and the gate's second descriptor of it: ``(read, gate, write)``.
+
+    ``group``: the gate's gid where the gate is not the supervisor's uid (as
+    root). The pipe then stays the supervisor's, readable by that group only
+    (0440): the gate may open it again through ``/proc``, and no process of
+    the guest's uid — the guest's own, or any other on the host — may open it
+    for writing (nor change its mode) to give a go-ahead of its own."""
+    block_r, block_w = os.pipe()
+    try:
+        if group is not None:
+            os.fchown(block_r, -1, group)
+            os.fchmod(block_r, 0o440)
+        gate_r = os.dup(block_r)
+    except BaseException:
+        os.close(block_r)
+        os.close(block_w)
+        raise
+    return block_r, gate_r, block_w
 
 
 def bwrap_executable() -> Path | None:
@@ -134,9 +156,9 @@ class SandboxLaunch:
     #: Descriptors the options name (``--bind-fd``): bubblewrap inherits them,
     #: and whoever starts it closes them, started or not (:meth:`close_fds`).
     pass_fds: tuple[int, ...] = ()
-    #: The uid and gid the gate runs as, where they are not the supervisor's
-    #: (as root): the block pipe must be theirs for the gate to open it.
-    gate_owner: tuple[int, int] | None = None
+    #: The gid the gate runs as, where its uid is not the supervisor's (as
+    #: root): the group that may read the block pipe (:func:`gate_pipe`).
+    gate_group: int | None = None
 
     def command(self, gate_fd: int) -> list[str]:
         """What bubblewrap runs: the prefix, the gate reading ``gate_fd`` (a
@@ -326,7 +348,7 @@ class SandboxHost:
                 masked=tuple(layout.masked),
                 seccomp=seccomp,
                 pass_fds=tuple(fd for fd, _ in held.values()),
-                gate_owner=(self.account.uid, self.account.gid) if self.root else None,
+                gate_group=self.account.gid if self.root else None,
             )
         except BaseException:
             for fd, _ in held.values():
@@ -566,15 +588,10 @@ def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
         for with_overlay in (True, False):
             # The gate too, its go-ahead written before: a host where it cannot
             # run fails here rather than every guest with exit status 125.
-            block_r, block_w = os.pipe()
+            block_r, gate_r, block_w = gate_pipe(account.gid if root else None)
             os.write(block_w, GO_AHEAD)  # two bytes into an empty pipe
             os.close(block_w)
-            held = [block_r]
             try:
-                gate_r = os.dup(block_r)
-                held.append(gate_r)
-                if root:
-                    os.fchown(block_r, account.uid, account.gid)
                 command = [
                     bwrap,
                     *base,
@@ -599,8 +616,8 @@ def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
                     f"no sandbox: cannot run {bwrap}: {exc}; {NO_SANDBOX_HINT}"
                 ) from None
             finally:
-                for fd in held:
-                    os.close(fd)
+                os.close(block_r)
+                os.close(gate_r)
             if done.returncode == 0:
                 return dataclasses.replace(host, overlay=with_overlay)
             reason = done.stderr.decode(errors="replace").strip().splitlines()

@@ -30,7 +30,7 @@ from supervisor.process import (
     wait_exited,
 )
 from supervisor.reaper import Reaper, pidfd_exited
-from supervisor.sandbox.bwrap import GO_AHEAD, SandboxLaunch
+from supervisor.sandbox.bwrap import GO_AHEAD, SandboxLaunch, gate_pipe
 from supervisor.sandbox.policy import SandboxError
 from supervisor.sandbox.unstarted import holds, never_run, spawned_since, uncancelled
 from supervisor.spawn import GuestProcess, spawn
@@ -163,10 +163,7 @@ async def launch_sandboxed(
         # holds (a mask per Unix socket on the host), and nobody reads them yet.
         args_r = os.memfd_create("hostcall-bwrap-args", os.MFD_CLOEXEC)
         info_r, info_w = os.pipe()
-        block_r, block_w = os.pipe()
-        if launch.gate_owner is not None:
-            os.fchown(block_r, *launch.gate_owner)  # for the gate to open it
-        gate_r = os.dup(block_r)
+        block_r, gate_r, block_w = gate_pipe(launch.gate_group)
         ours = [info_r, block_w, *([] if cred_w is None else [cred_w])]
         # The launch's own descriptors (--bind-fd) are theirs too: closed here
         # once bubblewrap has them, or failed to start.
