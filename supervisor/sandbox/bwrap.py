@@ -85,8 +85,13 @@ GATE_SHUT_EXIT: Final = 125
 #: The gate: ``$1`` is its own descriptor of the block pipe (bubblewrap closes
 #: the one it reads before the command runs). dash takes no descriptor above 9
 #: in a redirection, so the pipe is opened again through ``/proc``; the
-#: descriptor itself stays open in the guest, at the pipe's end.
-_GATE: Final = f'read -r _ < "/proc/self/fd/$1" || exit {GATE_SHUT_EXIT}; shift; exec "$@"'
+#: descriptor itself stays open in the guest, at the pipe's end. ``unset -f``
+#: first: bash, as ``/bin/sh``, imports functions from the environment, and
+#: one named ``read`` would open the gate (``unset`` is a special builtin no
+#: function overrides).
+_GATE: Final = (
+    f'unset -f read; read -r _ < "/proc/self/fd/$1" || exit {GATE_SHUT_EXIT}; shift; exec "$@"'
+)
 
 
 def gate(fd: int) -> list[str]:
