@@ -146,24 +146,29 @@ async def launch_sandboxed(
             ``join`` failed (the sandbox is then killed).
         StartAbandoned: ``ended`` was set first (the sandbox is then killed).
     """
+    made: list[int] = []  # closed here should the start fail before spawning
     try:
         if ended is not None and ended.is_set():
             raise StartAbandoned  # before bubblewrap is even spawned
         env = dict(launch.env)
         # The credential is written only once the sandbox is in its cgroup: should
-        # the supervisor die before, a guest that runs anyway reads nothing.
+        # the supervisor die before, nothing has it.
         cred_r: int | None = None
         cred_w: int | None = None
         if transport == "fd":
             cred_r, cred_w = os.pipe()
+            made += [cred_r, cred_w]
             env["HOSTCALL_CREDENTIAL_FD"] = str(cred_r)
         else:
             credential_fd(env, credential, transport)
         # The options in a memory file, not a pipe: they may be larger than a pipe
         # holds (a mask per Unix socket on the host), and nobody reads them yet.
         args_r = os.memfd_create("hostcall-bwrap-args", os.MFD_CLOEXEC)
+        made.append(args_r)
         info_r, info_w = os.pipe()
+        made += [info_r, info_w]
         block_r, gate_r, block_w = gate_pipe(launch.gate_group)
+        made += [block_r, gate_r, block_w]
         ours = [info_r, block_w, *([] if cred_w is None else [cred_w])]
         # The launch's own descriptors (--bind-fd) are theirs too: closed here
         # once bubblewrap has them, or failed to start.
@@ -176,6 +181,8 @@ async def launch_sandboxed(
             *launch.pass_fds,
         ]
     except BaseException:
+        for fd in made:
+            os.close(fd)
         launch.close_fds()  # not yet among theirs
         raise
     since = spawned_since()  # no process of this start is older

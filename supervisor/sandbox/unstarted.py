@@ -156,7 +156,9 @@ def _kill_and_reap(pid: int, block_w: int) -> list[int]:
     a pidfd of it to wait on (none if it had none, or was gone)."""
     try:
         pidfd = os.pidfd_open(pid)
-    except OSError:  # gone already, or no pidfd here: by pid, then
+    except ProcessLookupError:  # gone already: its pid may be another's now
+        return []
+    except OSError:  # no pidfd here: by pid, then
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
         return []
