@@ -4,6 +4,7 @@
 - :mod:`.paths` — what the guest's command needs from the host, and who may reach it;
 - :mod:`.layout` — the guest's view of the file system, mount by mount;
 - :mod:`.bwrap` — what this host allows, and one guest's bubblewrap command;
+- :mod:`.gate` — the shell line a guest's program runs behind, on the supervisor's go-ahead;
 - :mod:`.seccomp` — the system calls a guest may not make;
 - :mod:`.start` — starting and stopping a sandboxed guest;
 - :mod:`.usage` — what it uses, and the limits it may not cross.

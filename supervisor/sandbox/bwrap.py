@@ -17,10 +17,9 @@ Either way: new pid, mount, ipc, uts, cgroup and (unless the plan says
 ``network = "host"``) network namespaces; ``--die-with-parent``;
 ``--new-session`` (no controlling terminal to push keystrokes into).
 
-The guest's own program runs behind a gate (:meth:`SandboxLaunch.command`): a
-shell line that lets it run only on the supervisor's go-ahead, which a pipe's
-end is not. bubblewrap's ``--block-fd`` takes that end for a go-ahead, and
-the end is what a supervisor killed while a guest starts leaves behind.
+The guest's own program runs behind a gate (:mod:`.gate`,
+:meth:`SandboxLaunch.command`): a shell line that lets it run only on the
+supervisor's go-ahead, which a pipe's end is not.
 
 bubblewrap's own argv is the guest's, to the letter: every option, and with
 them every host path (the state dir's socket among them), is read from a pipe
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from supervisor.sandbox.gate import GO_AHEAD, Gate, Gates, gate_pipe
 from supervisor.sandbox.layout import Layout
 from supervisor.sandbox.paths import (
     Account,
@@ -57,13 +57,10 @@ from supervisor.sandbox.seccomp import syscall_filter
 
 __all__ = [
     "DEFAULT_GUEST_UID",
-    "GATE_SHUT_EXIT",
-    "GO_AHEAD",
     "NO_SANDBOX_HINT",
     "SandboxHost",
     "SandboxLaunch",
     "bwrap_executable",
-    "gate_pipe",
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,47 +74,9 @@ SOCKETS_PER_FOLDER: Final = 8
 #: The most Unix-socket masks one sandbox gets.
 MAX_SOCKET_MASKS: Final = 256
 NO_SANDBOX_HINT: Final = "run with --no-sandbox to start guests without one (they are then trusted)"
-#: What the supervisor writes to the block pipe to let a guest run: one byte
-#: for bubblewrap's ``--block-fd``, then one line for the gate.
-GO_AHEAD: Final = b"x\n"
-#: The exit status of a gate that found the block pipe ended, not the go-ahead.
-GATE_SHUT_EXIT: Final = 125
-#: The gate: ``$1`` is its own descriptor of the block pipe (bubblewrap closes
-#: the one it reads before the command runs). dash takes no descriptor above 9
-#: in a redirection, so the pipe is opened again through ``/proc``; the
-#: descriptor itself stays open in the guest, at the pipe's end. ``unset -f``
-#: first: bash, as ``/bin/sh``, imports functions from the environment, and
-#: one named ``read`` would open the gate (``unset`` is a special builtin no
-#: function overrides).
-_GATE: Final = (
-    f'unset -f read; read -r _ < "/proc/self/fd/$1" || exit {GATE_SHUT_EXIT}; shift; exec "$@"'
-)
-
-
-def gate(fd: int) -> list[str]:
-    """The gate's command line, reading the go-ahead from descriptor ``fd``."""
-    return ["/bin/sh", "-c", _GATE, "hostcall-gate", str(fd)]
-
-
-def gate_pipe(group: int | None) -> tuple[int, int, int]:
-    """The block pipe and the gate's second descriptor of it: ``(read, gate, write)``.
-
-    ``group``: the gate's gid where the gate is not the supervisor's uid (as
-    root). The pipe then stays the supervisor's, readable by that group only
-    (0440): the gate may open it again through ``/proc``, and no process of
-    the guest's uid — the guest's own, or any other on the host — may open it
-    for writing (nor change its mode) to give a go-ahead of its own."""
-    block_r, block_w = os.pipe()
-    try:
-        if group is not None:
-            os.fchown(block_r, -1, group)
-            os.fchmod(block_r, 0o440)
-        gate_r = os.dup(block_r)
-    except BaseException:
-        os.close(block_r)
-        os.close(block_w)
-        raise
-    return block_r, gate_r, block_w
+#: ``/bin/sh``'s gate, as most hosts have it (:meth:`Gate.probe` finds the real one).
+_SH_GATE: Final = Gate(("/bin/sh",))
+_SH_GATES: Final = Gates(_SH_GATE)
 
 
 def bwrap_executable() -> Path | None:
@@ -164,6 +123,8 @@ class SandboxLaunch:
     #: The gid the gate runs as, where its uid is not the supervisor's (as
     #: root): the group that may read the block pipe (:func:`gate_pipe`).
     gate_group: int | None = None
+    #: The gate that lets the guest's program run (:mod:`.gate`).
+    gate: Gate = _SH_GATE
 
     def command(self, gate_fd: int) -> list[str]:
         """What bubblewrap runs: the prefix, the gate reading ``gate_fd`` (a
@@ -173,7 +134,7 @@ class SandboxLaunch:
         :data:`GO_AHEAD` that follows bubblewrap's byte. At the pipe's end
         instead (the supervisor died, or gave the start up, before its
         go-ahead) it exits :data:`GATE_SHUT_EXIT` and nothing of the guest runs."""
-        return [*self.prefix, *gate(gate_fd), *self.argv]
+        return [*self.prefix, *self.gate.command(gate_fd), *self.argv]
 
     def close_fds(self) -> None:
         """Close :attr:`pass_fds` (once: the caller that owns them)."""
@@ -197,6 +158,8 @@ class SandboxHost:
     #: process group (SPEC §3) inside the sandbox, where bubblewrap's pid 1
     #: leads them; None where it is not installed.
     setsid: Path | None = None
+    #: The gates this host's shells make (:mod:`.gate`).
+    gates: Gates = _SH_GATES
 
     @classmethod
     def probe(cls, guest_uid: int | None = None) -> SandboxHost:
@@ -342,18 +305,20 @@ class SandboxHost:
             description = {**self.describe(policy.network), "workdir": workdir}
             seccomp = syscall_filter() if seccomp_supported() else None
             description["seccomp"] = seccomp is not None
+            guest_env = _scrubbed(env, [str(p) for p in state_dirs], inside_socket)
             return SandboxLaunch(
                 program=self.bwrap,
                 options=tuple(options),
                 prefix=tuple(self.command_prefix()),
                 argv=tuple(argv),
-                env=_scrubbed(env, [str(p) for p in state_dirs], inside_socket),
+                env=guest_env,
                 description=description,
                 exposed=tuple(layout.exposed),
                 masked=tuple(layout.masked),
                 seccomp=seccomp,
                 pass_fds=tuple(fd for fd, _ in held.values()),
                 gate_group=self.account.gid if self.root else None,
+                gate=self.gates.for_env(guest_env),
             )
         except BaseException:
             for fd, _ in held.values():
@@ -576,6 +541,12 @@ def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
         setpriv = None
         account = Account(os.getuid(), os.getgid())
     setsid = shutil.which("setsid")
+    gates = Gates.probe()
+    if gates is None:
+        raise SandboxError(
+            "no sandbox: /bin/sh, which lets each guest run on the supervisor's go-ahead, "
+            f"cannot run a program here; {NO_SANDBOX_HINT}"
+        )
     host = SandboxHost(
         Path(bwrap),
         root,
@@ -583,6 +554,7 @@ def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
         Path(setpriv) if setpriv else None,
         True,
         Path(setsid) if setsid else None,
+        gates,
     )
     true = shutil.which("true") or "/bin/true"
     with tempfile.TemporaryDirectory(prefix="hostcall-probe-") as scratch:
@@ -606,7 +578,7 @@ def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
                     str(block_r),
                     "--",
                     *host.command_prefix(),
-                    *gate(gate_r),
+                    *gates.usual.command(gate_r),
                     true,
                 ]
                 done = subprocess.run(

@@ -30,7 +30,8 @@ from supervisor.process import (
     wait_exited,
 )
 from supervisor.reaper import Reaper, pidfd_exited
-from supervisor.sandbox.bwrap import GO_AHEAD, SandboxLaunch, gate_pipe
+from supervisor.sandbox.bwrap import SandboxLaunch
+from supervisor.sandbox.gate import GO_AHEAD, gate_pipe
 from supervisor.sandbox.policy import SandboxError
 from supervisor.sandbox.unstarted import holds, never_run, spawned_since, uncancelled
 from supervisor.spawn import GuestProcess, spawn

@@ -25,7 +25,7 @@ from supervisor.outcomes import ExecutionOutcome
 from supervisor.reaper import Reaper
 from supervisor.sandbox import SandboxPolicy, unstarted
 from supervisor.sandbox import start as sandbox_start
-from supervisor.sandbox.bwrap import GATE_SHUT_EXIT
+from supervisor.sandbox.gate import GATE_SHUT_EXIT
 from tests.harness import (
     STEP_TIMEOUT_S,
     Ledger,
