@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import logging
 import os
 import re
 import sys
+import unicodedata
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
@@ -26,7 +28,9 @@ __all__ = [
     "EXIT_NOT_EXECUTABLE",
     "EXIT_NOT_FOUND",
     "EXIT_USAGE",
+    "inert_json",
     "main",
+    "one_line",
     "state_dir_of",
 ]
 
@@ -72,11 +76,53 @@ def state_dir_of(args: argparse.Namespace) -> Path:
 #: sent (an error naming its argument), and on the operator's terminal an
 #: escape sequence would act, a newline would forge a line of our own.
 _CONTROLS: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+#: Any character but printable ASCII and newline: looked at by :func:`_unseen`.
+_NOT_PLAIN: Final = re.compile(r"[^\x20-\x7e\n]")
+#: What a guest's text may hide in besides controls: formats (a right-to-left
+#: override shows the text after it reversed; zero-width characters; tag
+#: characters, text a model reads and a person does not), surrogates, line
+#: and paragraph separators.
+_UNSEEN: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 
 def one_line(text: str) -> str:
-    """``text`` with every control character shown as ``\\xNN``: one inert line."""
-    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    """``text`` with every control character shown as ``\\xNN``, and every
+    other character that is invisible or reorders the text as ``\\uXXXX``:
+    one inert line."""
+    text = _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return _NOT_PLAIN.sub(lambda m: _unseen(m.group(), _python_escape), text)
+
+
+def inert_json(
+    value: object,
+    *,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """``value`` as ``json.dumps`` writes it, for an operator deciding on it:
+    every character that is invisible, acts on a terminal or reorders the
+    text around it is a ``\\uXXXX`` escape (the same JSON value); every other
+    character is itself, not escaped as ``ensure_ascii`` would."""
+    text = json.dumps(
+        value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=False
+    )
+    return _NOT_PLAIN.sub(lambda m: _unseen(m.group(), _json_escape), text)
+
+
+def _unseen(char: str, escape: Callable[[int], str]) -> str:
+    return escape(ord(char)) if unicodedata.category(char) in _UNSEEN else char
+
+
+def _python_escape(code: int) -> str:
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def _json_escape(code: int) -> str:
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # a UTF-16 surrogate pair, as JSON writes one
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 class _OneLine(logging.Formatter):

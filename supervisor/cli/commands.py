@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from supervisor.admin_client import AdminClient, AdminError, SupervisorNotRunning
-from supervisor.cli.app import EXIT_FAILED, EXIT_USAGE, one_line, state_dir_of
+from supervisor.cli.app import EXIT_FAILED, EXIT_USAGE, inert_json, one_line, state_dir_of
 from supervisor.errors import HostcallError, StoreUnavailable
 from supervisor.ids import is_path_safe_id
 from supervisor.storespec import parse_store
@@ -59,7 +59,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def _short(value: Any, width: int = 48) -> str:
-    text = json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+    text = inert_json(value, separators=(",", ":"), sort_keys=True)
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -131,7 +131,7 @@ def approvals(args: argparse.Namespace) -> int:
             if proposal.get(key) is not None:
                 print(f"{key + ':':17} {proposal[key]}")
         print("args:")
-        print(json.dumps(proposal["args"], indent=2, ensure_ascii=False))
+        print(inert_json(proposal["args"], indent=2))
         return 0
     body = {"reason": args.reason} if args.action == "reject" and args.reason else {}
     try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import shlex
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 from supervisor.activity import Topic
-from supervisor.cli.app import one_line
+from supervisor.cli.app import inert_json, one_line
 from supervisor.cli.hints import hostcall_command, state_dir_flag
 from supervisor.logs import Passthrough
 from supervisor.supervisor import Supervisor
@@ -51,7 +50,7 @@ def decide_hint(proposal_id: str, state_dir: Path) -> str:
 
 
 def _short(value: Any, width: int = SHORT_ARGS) -> str:
-    text = json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+    text = inert_json(value, separators=(",", ":"), sort_keys=True)
     return text if len(text) <= width else text[: width - 1] + "…"
 
 

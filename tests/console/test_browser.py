@@ -216,6 +216,27 @@ async def test_guest_supplied_markup_is_shown_as_text_and_never_runs(
     assert (images_in_card, images, scripts, xss) == (0, 0, 0, None)
 
 
+#: A right-to-left override, a zero-width space, an invisible tag character,
+#: a line separator and a C1 control: what a guest can hide text with.
+HIDDEN = "acct_9\u202e0001\u200b\U000e0041\u2028\u009b"
+
+
+async def test_characters_that_hide_text_are_shown_as_escapes_to_the_deciding_operator(
+    served: Served, ledger: Ledger, page: Any
+) -> None:
+    plan = billing_plan(ledger, require_approval_for_irreversible=True)
+    async with driven_guest(served.sup, plan) as guest:
+        await page.goto(url(served, "approvals"))
+        call = asyncio.ensure_future(guest.call("c1", "charge", {"account": HIDDEN, "cents": 1}))
+        card = await waiting_card(page)
+        shown = await card.locator("pre.args").inner_text()
+        served.sup.approvals.reject(served.sup.approvals.list("waiting")[0].id, reason="test")
+        await call
+    assert "acct_9\\u202e0001\\u200b\\udb40\\udc41\\u2028\\u009b" in shown
+    assert not [c for c in "\u202e\u200b\U000e0041\u2028\u009b" if c in shown]
+    assert ledger.runs["charge"] == 0
+
+
 async def test_the_page_without_its_token_is_refused(served: Served, page: Any) -> None:
     response = await page.goto(f"{served.base}/")
     body = await page.inner_text("body")

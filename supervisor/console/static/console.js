@@ -29,7 +29,22 @@ function el(tag, attrs, ...children) {
 }
 
 function chip(text, kind) { return el("span", { class: `chip ${kind || ""}` }, text); }
-function pretty(value) { return JSON.stringify(value, null, 2); }
+
+// Arguments are what an operator decides an approval on. A guest can hide
+// text in them from a person: a right-to-left override shows what follows it
+// reversed, zero-width and tag characters are invisible. So every control,
+// format character, surrogate and line or paragraph separator is shown as
+// the JSON escape it stands for (the same JSON value); JSON.stringify has
+// already escaped C0 controls, so a newline here is the indentation's.
+const UNSEEN = /[\p{Cc}\p{Cf}\p{Cs}\p{Zl}\p{Zp}]/gu;
+function unitEscapes(char) {
+  let escaped = "";
+  for (let i = 0; i < char.length; i++) escaped += "\\u" + char.charCodeAt(i).toString(16).padStart(4, "0");
+  return escaped;
+}
+function pretty(value) {
+  return JSON.stringify(value, null, 2).replace(UNSEEN, (char) => (char === "\n" ? char : unitEscapes(char)));
+}
 function short(text, n) { text = String(text ?? ""); return text.length > n ? text.slice(0, n - 1) + "…" : text; }
 
 let clockSkewMs = 0; // server time − browser time
