@@ -76,13 +76,22 @@ def state_dir_of(args: argparse.Namespace) -> Path:
 #: sent (an error naming its argument), and on the operator's terminal an
 #: escape sequence would act, a newline would forge a line of our own.
 _CONTROLS: Final = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
-#: Any character but printable ASCII and newline: looked at by :func:`_unseen`.
-_NOT_PLAIN: Final = re.compile(r"[^\x20-\x7e\n]")
+#: Any character but printable ASCII, tab and newline: looked at by :func:`_unseen`.
+_NOT_PLAIN: Final = re.compile(r"[^\x20-\x7e\t\n]")
 #: What a guest's text may hide in besides controls: formats (a right-to-left
 #: override shows the text after it reversed; zero-width characters; tag
 #: characters, text a model reads and a person does not), surrogates, line
-#: and paragraph separators.
+#: and paragraph separators …
 _UNSEEN: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+#: … and Unicode's Default_Ignorable_Code_Point, which no font draws whatever
+#: its category: Hangul fillers, variation selectors (another way to smuggle
+#: text), Mongolian selectors, and the ones not yet assigned (which this
+#: Python's Unicode tables may not know). From DerivedCoreProperties.txt.
+_IGNORABLE: Final = re.compile(
+    "[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f"
+    "\u202a-\u202e\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8"
+    "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff]"
+)
 
 
 def one_line(text: str) -> str:
@@ -111,7 +120,9 @@ def inert_json(
 
 
 def _unseen(char: str, escape: Callable[[int], str]) -> str:
-    return escape(ord(char)) if unicodedata.category(char) in _UNSEEN else char
+    if unicodedata.category(char) in _UNSEEN or _IGNORABLE.match(char):
+        return escape(ord(char))
+    return char
 
 
 def _python_escape(code: int) -> str:

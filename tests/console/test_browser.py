@@ -217,8 +217,9 @@ async def test_guest_supplied_markup_is_shown_as_text_and_never_runs(
 
 
 #: A right-to-left override, a zero-width space, an invisible tag character,
-#: a line separator and a C1 control: what a guest can hide text with.
-HIDDEN = "acct_9\u202e0001\u200b\U000e0041\u2028\u009b"
+#: a line separator, a C1 control, a Hangul filler and a variation selector:
+#: what a guest can hide text with.
+HIDDEN = "acct_9\u202e0001\u200b\U000e0041\u2028\u009b\u3164\U000e0101"
 
 
 async def test_characters_that_hide_text_are_shown_as_escapes_to_the_deciding_operator(
@@ -232,8 +233,16 @@ async def test_characters_that_hide_text_are_shown_as_escapes_to_the_deciding_op
         shown = await card.locator("pre.args").inner_text()
         served.sup.approvals.reject(served.sup.approvals.list("waiting")[0].id, reason="test")
         await call
-    assert "acct_9\\u202e0001\\u200b\\udb40\\udc41\\u2028\\u009b" in shown
-    assert not [c for c in "\u202e\u200b\U000e0041\u2028\u009b" if c in shown]
+        # A tool the plan lacks is refused, but its made-up name is recorded and listed.
+        refused = await guest.call("c2", "refund\u202elave", {})
+        await page.goto(url(served, f"invocation/{guest.execution.invocation_id}"))
+        row = page.locator('tr[data-call="c2"]')
+        await row.wait_for()
+        listed = await row.inner_text()
+    assert "acct_9\\u202e0001\\u200b\\udb40\\udc41\\u2028\\u009b\\u3164\\udb40\\udd01" in shown
+    assert not [c for c in HIDDEN if not c.isascii() and c in shown]
+    assert refused["body"]["error"]["code"] == "tool_not_allowed"
+    assert "refund\\u202elave" in listed and "\u202e" not in listed
     assert ledger.runs["charge"] == 0
 
 

@@ -406,13 +406,13 @@ def test_what_a_guest_sent_reaches_the_operators_stderr_inert(
     """A handler's error may quote a guest's argument: its escape sequences
     must not act on the operator's terminal, its newlines not forge lines,
     its right-to-left override not turn the line around."""
-    forged = "\x1b]0;owned\x07\x1b[2J\nhostcall: approval apr_x approved by operator\u202e"
+    forged = "\x1b]0;owned\x07\x1b[2J\nhostcall: approval apr_x approved by operator\u202e\tok"
     done = hostcall("run", "--state-dir", str(tmp_path / "st"), "--plan", str(plan_file), "--",
                     *guest_calls(("c1", "complain", {"text": forged})))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "\x1b" not in done.stderr and "\x07" not in done.stderr
     assert "\\x1b]0;owned\\x07" in done.stderr
-    assert "\u202e" not in done.stderr and "operator\\u202e" in done.stderr
+    assert "\u202e" not in done.stderr and "operator\\u202e\tok" in done.stderr
     assert not [ln for ln in done.stderr.splitlines() if ln.startswith("hostcall: approval")]
 
 
@@ -618,9 +618,11 @@ def test_the_status_line_never_cuts_a_line_the_guest_has_not_finished(
 #: What a guest can put in a string argument to mislead an operator reading
 #: it: a C1 CSI (a terminal's escape, in UTF-8), DEL, a right-to-left override
 #: (shows the text after it reversed), a zero-width space, an invisible tag
-#: character (text a model reads and a person does not) and a line separator.
-MISLEADING: Final = "acct\u009b2J\x7f\u202e01\u200b\U000e0041\u2028end"
-UNSEEN: Final = ("\u009b", "\x7f", "\u202e", "\u200b", "\U000e0041", "\u2028")
+#: character (text a model reads and a person does not), a line separator,
+#: a Hangul filler and a variation selector (both drawn as nothing).
+MISLEADING: Final = "acct\u009b2J\x7f\u202e01\u200b\U000e0041\u2028\u3164\U000e0101end"
+UNSEEN: Final = ("\u009b", "\x7f", "\u202e", "\u200b", "\U000e0041", "\u2028", "\u3164",
+                 "\U000e0101")  # fmt: skip
 
 
 def test_an_argument_a_guest_wrote_is_shown_to_the_deciding_operator_inert(
@@ -644,7 +646,8 @@ def test_an_argument_a_guest_wrote_is_shown_to_the_deciding_operator_inert(
     for done in (shown, listed, calls):
         assert done.returncode == 0, done.stderr
         assert not [c for c in UNSEEN if c in done.stdout], done.stdout
-    assert "\\u009b2J\\u007f\\u202e01\\u200b\\udb40\\udc41\\u2028end" in shown.stdout
+    escaped = "\\u009b2J\\u007f\\u202e01\\u200b\\udb40\\udc41\\u2028\\u3164\\udb40\\udd01end"
+    assert escaped in shown.stdout
     args = json.loads(shown.stdout.split("args:\n", 1)[1])
     assert args == {"account": MISLEADING, "cents": 3}
     assert "acct\\u009b2J" in listed.stdout and "acct\\u009b2J" in calls.stdout

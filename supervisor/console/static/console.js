@@ -32,11 +32,12 @@ function chip(text, kind) { return el("span", { class: `chip ${kind || ""}` }, t
 
 // Arguments are what an operator decides an approval on. A guest can hide
 // text in them from a person: a right-to-left override shows what follows it
-// reversed, zero-width and tag characters are invisible. So every control,
-// format character, surrogate and line or paragraph separator is shown as
-// the JSON escape it stands for (the same JSON value); JSON.stringify has
-// already escaped C0 controls, so a newline here is the indentation's.
-const UNSEEN = /[\p{Cc}\p{Cf}\p{Cs}\p{Zl}\p{Zp}]/gu;
+// reversed, zero-width, tag characters and variation selectors are
+// invisible. So every control, format character, surrogate, line or
+// paragraph separator and default-ignorable character is shown as the JSON
+// escape it stands for (the same JSON value); JSON.stringify has already
+// escaped C0 controls, so a newline here is the indentation's.
+const UNSEEN = /[\p{Cc}\p{Cf}\p{Cs}\p{Zl}\p{Zp}\p{Default_Ignorable_Code_Point}]/gu;
 function unitEscapes(char) {
   let escaped = "";
   for (let i = 0; i < char.length; i++) escaped += "\\u" + char.charCodeAt(i).toString(16).padStart(4, "0");
@@ -45,6 +46,8 @@ function unitEscapes(char) {
 function pretty(value) {
   return JSON.stringify(value, null, 2).replace(UNSEEN, (char) => (char === "\n" ? char : unitEscapes(char)));
 }
+// Other text a guest chose (a tool name it made up, refused but recorded), the same way.
+function inert(text) { return String(text ?? "").replace(UNSEEN, unitEscapes); }
 function short(text, n) { text = String(text ?? ""); return text.length > n ? text.slice(0, n - 1) + "…" : text; }
 
 let clockSkewMs = 0; // server time − browser time
@@ -278,7 +281,7 @@ function invocationView(id) {
   const calls = data.calls.map((c) => el("tr", { "data-call": c.call_id },
     el("td", { class: "mono muted" }, (c.finished_at || "").replace("T", " ").replace(/\.\d+Z$/, "Z")),
     el("td", { class: "mono" }, c.call_id),
-    el("td", {}, c.tool),
+    el("td", {}, inert(c.tool)),
     el("td", {}, c.args_kept ? el("pre", { class: "args" }, pretty(c.args)) : el("span", { class: "muted" }, data.calls_source === "receipts" ? "not kept (from receipts)" : "not kept")),
     el("td", {}, chip(c.outcome, `o-${c.outcome}`), c.code ? el("div", { class: "muted" }, c.code) : null),
     el("td", {}, c.effect),
@@ -377,7 +380,7 @@ function receiptsView() {
     el("td", {}, String(r.receipts)),
     el("td", {}, r.exists ? chip(r.chain_intact ? "intact" : "broken", r.chain_intact ? "ok" : "bad") : el("span", { class: "muted" }, "no file yet")),
     el("td", {}, r.checked_against ? chip(r.ok ? "agree" : "disagree", r.ok ? "ok" : "bad") : el("span", { class: "muted" }, "chain only")),
-    el("td", {}, r.findings.length ? el("ul", {}, r.findings.map((f) => el("li", { class: f.severity === "error" ? "error" : "muted" }, f.line ? `line ${f.line}: ${f.message}` : f.message))) : el("span", { class: "muted" }, "none"))));
+    el("td", {}, r.findings.length ? el("ul", {}, r.findings.map((f) => el("li", { class: f.severity === "error" ? "error" : "muted" }, inert(f.line ? `line ${f.line}: ${f.message}` : f.message)))) : el("span", { class: "muted" }, "none"))));
   return el("section", {},
     el("h2", {}, "Receipts"),
     el("p", { class: "muted" }, `Each invocation's receipt chain, verified as hostcall receipts verify does (${data.shown} of ${data.of} invocations, newest first).`),
