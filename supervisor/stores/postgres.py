@@ -174,8 +174,9 @@ class PostgresEffectStore:
         command_timeout_s: float = COMMAND_TIMEOUT_S,
     ) -> None:
         self._dsn, options, self._session = _split_dsn(dsn)
-        if self._session.get("synchronous_commit") == "off":
-            raise ValueError("synchronous_commit=off could lose a pending row: leave it out")
+        level = self._setting("synchronous_commit")
+        if level is not None and level.strip().lower() in _NOT_SYNCHRONOUS:
+            raise ValueError(f"synchronous_commit={level} could lose a pending row: leave it out")
         #: The DSN with any password masked: safe for logs and error messages.
         self.where = redact_dsn(self._dsn)
         self.schema = schema or options.get("hostcall_schema", DEFAULT_SCHEMA)
@@ -278,6 +279,7 @@ class PostgresEffectStore:
             raise self._unavailable(exc, " cannot be opened") from exc
         self._pool = pool
         try:
+            await self._check_durable()
             await self._migrate()
             await self._renew()
             recovered = await self._recover(time.time(), own=True)
@@ -290,11 +292,29 @@ class PostgresEffectStore:
         )
         return recovered
 
+    def _setting(self, name: str) -> str | None:
+        """A setting the DSN names for the session (PostgreSQL's names are
+        case-insensitive), or None."""
+        found = [value for key, value in self._session.items() if key.lower() == name]
+        return found[-1] if found else None
+
+    async def _check_durable(self) -> None:
+        """Refuse a session that commits without waiting for the disk, however
+        it came to (the DSN is checked when the store is made; this is what
+        the server says)."""
+        async with self._conn() as conn:
+            level = await conn.fetchval("SHOW synchronous_commit")
+        if level == "off":
+            raise StoreUnavailable(
+                f"effect store {self.where} runs with synchronous_commit=off, which could "
+                "lose a pending row: leave it on"
+            )
+
     def _server_settings(self) -> dict[str, str]:
         settings: dict[str, str] = {}
         if "application_name" not in self._session:
             settings["application_name"] = f"hostcall {self._instance_id}"[:63]
-        if "synchronous_commit" not in self._session:
+        if self._setting("synchronous_commit") is None:
             # A pending row must be durable when begin returns, whatever the
             # role's or the database's default says.
             settings["synchronous_commit"] = "on"
@@ -698,6 +718,10 @@ class PostgresEffectStore:
 
 class _Refused(Exception):
     """Raised inside begin's transaction to roll it back: the charge did not fit."""
+
+
+#: What PostgreSQL takes for ``synchronous_commit = off`` (any case).
+_NOT_SYNCHRONOUS: Final = frozenset({"off", "false", "no", "0"})
 
 
 def _split_dsn(dsn: str) -> tuple[str, dict[str, str], dict[str, str]]:

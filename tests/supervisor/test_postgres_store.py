@@ -144,6 +144,12 @@ def test_keyword_options_win_over_the_dsn_and_defaults_apply_without_either() ->
         ("postgresql://db/x?hostcall_lease_s=3&hostcall_renew_s=3", "outlast"),
         ("postgresql://db/x?hostcall_schema=Bad-Name", "schema"),
         ("postgresql://db/x?synchronous_commit=off", "synchronous_commit"),
+        # PostgreSQL's other spellings of off, and its names in any case
+        ("postgresql://db/x?synchronous_commit=OFF", "synchronous_commit"),
+        ("postgresql://db/x?synchronous_commit=false", "synchronous_commit"),
+        ("postgresql://db/x?synchronous_commit=%20No", "synchronous_commit"),
+        ("postgresql://db/x?synchronous_commit=0", "synchronous_commit"),
+        ("postgresql://db/x?Synchronous_Commit=off", "synchronous_commit"),
     ],
 )
 def test_a_bad_dsn_or_option_is_refused_when_the_store_is_made(dsn: str, message: str) -> None:
@@ -336,6 +342,22 @@ async def test_its_sessions_commit_synchronously(
         level = await conn.fetchval("SHOW synchronous_commit")
 
     assert level == "on"
+
+
+@pytest.mark.postgres
+async def test_a_session_the_server_runs_without_synchronous_commit_is_refused_at_open(
+    dsn: str, stores: list[PostgresEffectStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the DSN's own check: what the server says it runs with. Here the
+    session's default is taken away and the role's connection asks for off
+    in a way the DSN check does not read (libpq's ``options``)."""
+    monkeypatch.setattr(PostgresEffectStore, "_server_settings", lambda self: {})
+    asks_off = "options=-c%20synchronous_commit%3Doff"
+    store = PostgresEffectStore(f"{dsn}{'&' if '?' in dsn else '?'}{asks_off}")
+    with pytest.raises(StoreUnavailable, match="synchronous_commit=off"):
+        async with asyncio.timeout(STEP_S):
+            await store.open()
+    assert store._pool is None  # nothing left open
 
 
 # -- leases and recovery ------------------------------------------------------------------
