@@ -28,12 +28,14 @@ import socket
 import time
 import urllib.parse
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, Final, Literal, TypeAlias
+from typing import Any, ClassVar, Final, Literal, TypeAlias
 
 import asyncpg
+import psutil
 from asyncpg.pool import PoolConnectionProxy
 
 from supervisor.budget import BudgetLimits
@@ -63,6 +65,7 @@ from supervisor.stores.postgres_sql import (
     GET_EFFECT,
     GET_INVOCATION,
     HAND_BACK_LEASE,
+    LEASE_HOLDER,
     LEASE_IS_LIVE,
     LEASE_LAPSED_FOR_UPDATE,
     LIST_INVOCATIONS,
@@ -155,6 +158,10 @@ class PostgresEffectStore:
         ValueError: a DSN that is not ``postgresql://`` or ``postgres://``, an
             unknown ``hostcall_*`` option or a value out of range.
     """
+
+    #: The stores open in this process: a replica id is in use here if one of
+    #: them holds it (see :meth:`_claim_identity`).
+    _open_here: ClassVar[weakref.WeakSet[PostgresEffectStore]] = weakref.WeakSet()
 
     #: Records survive the process; receipts go to the file (fsync'd) of the
     #: replica that answered, not through the shared database.
@@ -281,6 +288,7 @@ class PostgresEffectStore:
         try:
             await self._check_durable()
             await self._migrate()
+            await self._claim_identity()
             await self._renew()
             recovered = await self._recover(time.time(), own=True)
         except BaseException:
@@ -290,6 +298,7 @@ class PostgresEffectStore:
         self._heartbeat_task = asyncio.create_task(
             self._heartbeat(), name=f"hostcall-lease-{self._instance_id}"
         )
+        self._open_here.add(self)
         return recovered
 
     def _setting(self, name: str) -> str | None:
@@ -396,6 +405,57 @@ class PostgresEffectStore:
                 logger.warning("replica %s: heartbeat failed: %s", self._instance_id, exc)
             except Exception:  # boundary: the lease must outlive any one bad round
                 logger.exception("replica %s: heartbeat failed", self._instance_id)
+
+    async def _claim_identity(self) -> None:
+        """Open only as a replica id nobody else holds: a supervisor started on
+        a copy of another's state dir (a cloned image, a restored backup, a
+        shared volume) would otherwise take the other's calls in flight for
+        its own earlier life's and turn them unknown.
+
+        The id's lease is free when it has run out or was handed back; when
+        its holder is a process of this host that no longer exists, or a store
+        of this process that is no longer open (an earlier life: recovered
+        at once). Otherwise the lease is watched: renewed, it has a live
+        holder and the store is refused; run out, it is taken.
+
+        Raises:
+            StoreUnavailable: another live supervisor holds the id.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.lease_s + self.renew_s + LEASE_WATCH_SLACK_S
+        seen = None
+        while True:
+            async with self._conn() as conn:
+                holder = await conn.fetchrow(self._q(LEASE_HOLDER), self._instance_id)
+            if holder is None or not holder["live"] or self._earlier_life(holder):
+                return
+            if seen is not None and holder["lease_expires_at"] != seen:
+                raise StoreUnavailable(
+                    f"replica id {self._instance_id} is in use by a live supervisor "
+                    f"(host {holder['hostname']}, pid {holder['pid']}) on {self.where}: "
+                    "was its state dir copied? give each supervisor a state dir of its own"
+                )
+            seen = holder["lease_expires_at"]
+            if loop.time() > deadline:  # a lease longer than ours: its holder is not us
+                raise StoreUnavailable(
+                    f"replica id {self._instance_id}: its lease held by host "
+                    f"{holder['hostname']}, pid {holder['pid']}, has not run out"
+                )
+            await asyncio.sleep(min(LEASE_WATCH_S, self.renew_s / 2))
+
+    def _earlier_life(self, holder: asyncpg.Record) -> bool:
+        """Whether the lease's holder is this replica's own earlier life."""
+        if holder["hostname"] != socket.gethostname():
+            return False
+        if holder["pid"] == os.getpid():
+            return not any(
+                other is not self
+                and other._pool is not None
+                and (other.where, other.schema, other._instance_id)
+                == (self.where, self.schema, self._instance_id)
+                for other in self._open_here
+            )
+        return not psutil.pid_exists(holder["pid"])
 
     async def _renew(self) -> None:
         """Extend (or first take) this replica's lease, by the database's clock."""
@@ -720,6 +780,10 @@ class _Refused(Exception):
     """Raised inside begin's transaction to roll it back: the charge did not fit."""
 
 
+#: How often a replica id's lease is looked at while another may hold it.
+LEASE_WATCH_S: Final = 0.5
+#: Beyond a lease and a renewal: how long the watch waits at most.
+LEASE_WATCH_SLACK_S: Final = 2.0
 #: What PostgreSQL takes for ``synchronous_commit = off`` (any case).
 _NOT_SYNCHRONOUS: Final = frozenset({"off", "false", "no", "0"})
 

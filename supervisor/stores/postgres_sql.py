@@ -27,6 +27,7 @@ __all__ = [
     "GET_INVOCATION",
     "HAND_BACK_LEASE",
     "INVOCATION_QUERY",
+    "LEASE_HOLDER",
     "LEASE_IS_LIVE",
     "LEASE_LAPSED_FOR_UPDATE",
     "LEASE_LIVE",
@@ -166,6 +167,11 @@ BEGIN_RERUN: Final = (
 )
 
 #: Whether a replica's lease had run out (``None``: it has no row), row locked.
+#: Who holds replica $1's lease, until when, and whether that is still ahead.
+LEASE_HOLDER: Final = (
+    "SELECT hostname, pid, lease_expires_at, lease_expires_at > clock_timestamp() AS live"
+    " FROM {s}.replicas WHERE instance_id = $1"
+)
 LEASE_LAPSED_FOR_UPDATE: Final = (
     "SELECT lease_expires_at < clock_timestamp() FROM {s}.replicas"
     " WHERE instance_id = $1 FOR UPDATE"

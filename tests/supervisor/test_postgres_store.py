@@ -450,6 +450,30 @@ async def test_a_replica_restarted_with_its_id_turns_its_own_pending_rows_unknow
 
 
 @pytest.mark.postgres
+async def test_a_second_live_supervisor_with_the_same_replica_id_is_refused(
+    dsn: str, stores: list[PostgresEffectStore]
+) -> None:
+    """A copied state dir: the copy must not take the original's call in
+    flight for its own earlier life's and turn it unknown."""
+    original = await replica(stores, dsn, instance_id="r-copied", lease_s=2, renew_s=0.2)
+    async with asyncio.timeout(STEP_S):
+        await original.open_invocation(INV, "sha256:x", None, 0.0)
+        assert (await original.begin(start("p1"), 1.0)).won
+        copy = PostgresEffectStore(dsn, instance_id="r-copied", lease_s=2, renew_s=0.2)
+        stores.append(copy)
+        with pytest.raises(StoreUnavailable, match="in use by a live supervisor"):
+            await copy.open()
+        record = await original.get(INV, "p1")
+        assert record is not None and record.status is EffectStatus.PENDING
+        await original.commit(INV, "p1", {"status": "ok"}, 2.0)
+        await original.close()
+        assert await copy.open() == 0  # handed back: the id is free, nothing to recover
+        committed = await copy.get(INV, "p1")
+
+    assert committed is not None and committed.status is EffectStatus.COMMITTED
+
+
+@pytest.mark.postgres
 async def test_a_replica_that_closes_hands_back_its_lease_so_others_recover_at_once(
     dsn: str, stores: list[PostgresEffectStore]
 ) -> None:
