@@ -207,11 +207,24 @@ class ApprovalController:
         self._clock = clock
         self._on_change = on_change
         self._proposals: dict[str, Proposal] = {}
+        #: Rejected calls, by (invocation, call_id, idempotency key): a retry of
+        #: one is answered with its rejection, not asked again.
+        self._rejected: dict[tuple[str, str, str], Proposal] = {}
 
     # -- the broker's side ---------------------------------------------------
 
     async def request(self, request: ProposalRequest) -> Proposal:
-        """Open a proposal and wait until it is decided or its lease runs out."""
+        """Open a proposal and wait until it is decided or its lease runs out.
+
+        A call an operator (or the approver) rejected stays rejected: its
+        retry gets the same proposal back at once. A guest may not ask again
+        until someone clicks approve; a new call is a new ``call_id``, and is
+        listed as a new proposal.
+        """
+        call = (request.invocation_id, request.call_id, request.idempotency_key)
+        rejected = self._rejected.get(call)
+        if rejected is not None:
+            return rejected
         now = self._clock()
         proposal = Proposal(
             id=new_id("apr"),
@@ -238,6 +251,8 @@ class ApprovalController:
         finally:
             if asker is not None and not asker.done():
                 asker.cancel()
+        if proposal.state == "rejected":
+            self._rejected[call] = proposal
         return proposal
 
     async def _ask(self, proposal: Proposal) -> None:

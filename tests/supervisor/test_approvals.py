@@ -344,6 +344,28 @@ async def test_a_joined_retry_gets_the_rejection_too(rig: Rig) -> None:
     assert rig.ledger.runs == {}
 
 
+async def test_a_retry_of_a_rejected_call_is_rejected_without_asking_again(rig: Rig) -> None:
+    """Otherwise a guest could retry until someone clicked approve."""
+    first = rig.call("c1", "pay", {"account": "a", "cents": 5})
+    proposal_id = await rig.proposal()
+    rig.approvals.reject(proposal_id, reason="no")
+    rejected = await reply_of(first)
+    retry = await reply_of(rig.call("c1", "pay", {"account": "a", "cents": 5}))
+    other = rig.call("c2", "pay", {"account": "a", "cents": 5})  # a new call: asked anew
+    other_id = await rig.proposal()
+    rig.approvals.reject(other_id)
+    await reply_of(other)
+    receipt = json.loads(rig.broker.receipts.path.read_text().splitlines()[1])
+    invocation = await rig.store.get_invocation(INV)
+
+    assert rejected.error is not None and rejected.error["code"] == "approval_rejected"
+    assert retry.error is not None and retry.error["code"] == "approval_rejected"
+    assert receipt["call_id"] == "c1" and receipt["approval_id"] == proposal_id
+    assert [p.id for p in rig.approvals.list()] == [proposal_id, other_id]
+    assert rig.ledger.runs == {}
+    assert invocation is not None and invocation.used.calls == 0  # nothing reserved stays
+
+
 async def test_a_call_that_runs_again_after_unknown_needs_a_fresh_approval(rig: Rig) -> None:
     first = rig.call("m1", "sync_mirror", {"key": "k"})
     first_id = await rig.proposal()
