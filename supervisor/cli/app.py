@@ -31,6 +31,7 @@ __all__ = [
     "inert_json",
     "main",
     "one_line",
+    "short_json",
     "state_dir_of",
 ]
 
@@ -117,6 +118,12 @@ def inert_json(
         value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=False
     )
     return _NOT_PLAIN.sub(lambda m: _unseen(m.group(), _json_escape), text)
+
+
+def short_json(value: object, width: int) -> str:
+    """:func:`inert_json` on one line, keys sorted, cut to ``width`` characters."""
+    text = inert_json(value, separators=(",", ":"), sort_keys=True)
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _unseen(char: str, escape: Callable[[int], str]) -> str:

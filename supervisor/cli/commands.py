@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from supervisor.admin_client import AdminClient, AdminError, SupervisorNotRunning
-from supervisor.cli.app import EXIT_FAILED, EXIT_USAGE, inert_json, one_line, state_dir_of
+from supervisor.cli.app import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    inert_json,
+    one_line,
+    short_json,
+    state_dir_of,
+)
 from supervisor.errors import HostcallError, StoreUnavailable
 from supervisor.ids import is_path_safe_id
 from supervisor.storespec import parse_store
@@ -56,11 +63,6 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
         for row in [header, *rows]
     ]
     return "\n".join(lines)
-
-
-def _short(value: Any, width: int = 48) -> str:
-    text = inert_json(value, separators=(",", ":"), sort_keys=True)
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _failed(command: str, exc: AdminError) -> int:
@@ -110,7 +112,7 @@ def approvals(args: argparse.Namespace) -> int:
                     p["call_id"],
                     p["invocation_id"],
                     p["expires_at"],
-                    _short(p["args"]),
+                    short_json(p["args"], 48),
                 ]
                 for p in proposals
             ]
@@ -240,7 +242,7 @@ def calls(args: argparse.Namespace) -> int:
             r["status"],
             r["execution_id"],
             r["updated_at"],
-            _short(r["response"].get("result") if r["response"] else None, 40),
+            short_json(r["response"].get("result") if r["response"] else None, 40),
         ]
         for r in records
     ]

@@ -23,10 +23,10 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Final
 
 from supervisor.activity import Topic
-from supervisor.cli.app import inert_json, one_line
+from supervisor.cli.app import one_line, short_json
 from supervisor.cli.hints import hostcall_command, state_dir_flag
 from supervisor.logs import Passthrough
 from supervisor.supervisor import Supervisor
@@ -47,11 +47,6 @@ def decide_hint(proposal_id: str, state_dir: Path) -> str:
     command = f"{shlex.quote(hostcall_command())} approvals"
     flag = state_dir_flag(state_dir)
     return f"{command} approve {proposal_id}{flag}  (or: reject {proposal_id}{flag} --reason …)"
-
-
-def _short(value: Any, width: int = SHORT_ARGS) -> str:
-    text = inert_json(value, separators=(",", ":"), sort_keys=True)
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _calls_text(calls: Mapping[str, int]) -> str:
@@ -236,8 +231,9 @@ class Watch:
                 lease = max(0.0, proposal.expires_at - time.time())
                 self.say(
                     f"{self._prefix}: approval {proposal.id} waiting: {proposal.call_id} "
-                    f"{proposal.tool} {_short(proposal.args)} ({proposal.reversibility}, "
-                    f"lease {lease:.0f} s) — {decide_hint(proposal.id, self._state_dir)}"
+                    f"{proposal.tool} {short_json(proposal.args, SHORT_ARGS)} "
+                    f"({proposal.reversibility}, lease {lease:.0f} s) — "
+                    f"{decide_hint(proposal.id, self._state_dir)}"
                 )
             elif proposal.state == "dispatched" and before == "approved":
                 continue  # "approved" was said; dispatch is the call's business
