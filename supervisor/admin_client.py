@@ -112,7 +112,9 @@ class AsyncAdminClient:
 
     async def _open(
         self, method: str, path: str, body: dict[str, Any] | None
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int, str]:
+        """Sends the request; returns the stream, the status and the
+        answer's media type, once the head of the answer has been read."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             with reachable_path(self.path) as connectable:
@@ -139,12 +141,15 @@ class AsyncAdminClient:
             parts = status_line.split(b" ", 2)
             if len(parts) < 2 or not parts[1].isdigit():
                 raise AdminError(502, "bad_answer", "the admin socket did not answer HTTP")
-            while (await reader.readline()).strip():  # the headers: not needed
-                pass
+            media_type = ""
+            while line := (await reader.readline()).strip():
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-type":
+                    media_type = value.split(b";")[0].strip().lower().decode("latin-1")
         except BaseException:
             writer.close()
             raise
-        return reader, writer, int(parts[1])
+        return reader, writer, int(parts[1]), media_type
 
     async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         """One request; returns the decoded JSON (or text for ``/metrics``).
@@ -153,17 +158,28 @@ class AsyncAdminClient:
             SupervisorNotRunning: nothing listens on the socket.
             AdminError: the API answered with an error.
         """
-        reader, writer, status = await self._open(method, path, body)
+        import asyncio
+
         try:
-            data = await reader.read(MAX_ANSWER)
-        finally:
-            writer.close()
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                reader, writer, status, media_type = await self._open(method, path, body)
+                try:
+                    data = await _read_to_end(reader)
+                finally:
+                    writer.close()
+        except TimeoutError:
+            raise AdminError(504, "timeout", f"the admin API did not answer {path}") from None
+        if media_type != "application/json":
+            text = data.decode(errors="replace")
+            if status >= 400:
+                raise AdminError(status, "error", text[:200])
+            return text
         try:
             decoded = json.loads(data)
         except ValueError:
-            if status >= 400:
-                raise AdminError(status, "error", data.decode(errors="replace")) from None
-            return data.decode(errors="replace")
+            # Never handed on as text: a caller expecting a list or an
+            # object would be given a string (this blanked the console).
+            raise AdminError(502, "bad_answer", "the admin API's answer is not JSON") from None
         if status >= 400:
             raise _error_of(status, decoded)
         return decoded
@@ -176,7 +192,7 @@ class AsyncAdminClient:
             SupervisorNotRunning: nothing listens on the socket.
             AdminError: the API refused the stream.
         """
-        reader, writer, status = await self._open("GET", "/v1/events", None)
+        reader, writer, status, _ = await self._open("GET", "/v1/events", None)
         try:
             if status >= 400:
                 raise AdminError(status, "error", "the admin API refused the event stream")
@@ -187,3 +203,21 @@ class AsyncAdminClient:
                         yield notice
         finally:
             writer.close()
+
+
+async def _read_to_end(reader: asyncio.StreamReader) -> bytes:
+    """The whole answer (it ends where the connection does), at most
+    :data:`MAX_ANSWER` bytes.
+
+    ``reader.read(n)`` alone would not do: it returns what is buffered,
+    and a long answer arrives in many pieces.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await reader.read(2**16):
+        size += len(chunk)
+        if size > MAX_ANSWER:
+            message = f"the admin API's answer is over {MAX_ANSWER} bytes"
+            raise AdminError(502, "bad_answer", message)
+        chunks.append(chunk)
+    return b"".join(chunks)

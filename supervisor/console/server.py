@@ -41,7 +41,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 from urllib.parse import quote
 
 from aiohttp import web
@@ -55,6 +55,7 @@ from supervisor.tcp import serve_tcp
 __all__ = ["ConsoleServer", "Listen", "parse_listen"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 STATIC: Final = Path(__file__).with_name("static")
 #: How often the call counters are sampled for the chart …
@@ -96,6 +97,14 @@ _STATIC_TYPES: Final = {
 
 def _refuse(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def _expect(value: object, kind: type[_T], what: str) -> _T:
+    """``value``, which the admin API answered, if it is a ``kind``: the page
+    is never handed a string where it iterates a list."""
+    if not isinstance(value, kind):
+        raise AdminError(502, "bad_answer", f"the admin API's {what} is not a JSON {kind.__name__}")
+    return value
 
 
 class ConsoleServer:
@@ -167,7 +176,11 @@ class ConsoleServer:
         return hosts
 
     def _has_token(self, offered: str | None) -> bool:
-        return offered is not None and hmac.compare_digest(offered.encode(), self.token.encode())
+        # surrogateescape: a header aiohttp decoded from bytes that are not
+        # UTF-8 is compared (and refused), not an error before authentication.
+        return offered is not None and hmac.compare_digest(
+            offered.encode("utf-8", "surrogateescape"), self.token.encode()
+        )
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
@@ -241,9 +254,9 @@ class ConsoleServer:
             {
                 "now": time.time(),
                 "connected": self._upstream,
-                "invocations": invocations,
-                "approvals": proposals,
-                "stats": stats,
+                "invocations": _expect(invocations, list, "invocation list"),
+                "approvals": _expect(proposals, list, "approval list"),
+                "stats": _expect(stats, dict, "stats"),
             }
         )
 
@@ -257,18 +270,22 @@ class ConsoleServer:
             self._admin.request("GET", f"{base}/activity"),
             self._admin.request("GET", f"{base}/logs?tail=200"),
         )
+        activity = _expect(activity, dict, "activity")
+        logs = _expect(logs, dict, "logs")
         return web.json_response(
             {
                 "now": time.time(),
-                "invocation": invocation,
-                "calls": activity["calls"],
-                "calls_source": activity["source"],
-                "logs": logs["logs"],
+                "invocation": _expect(invocation, dict, "invocation"),
+                "calls": _expect(activity.get("calls"), list, "call list"),
+                "calls_source": activity.get("source"),
+                "logs": _expect(logs.get("logs"), list, "log list"),
             }
         )
 
     async def _receipts(self, request: web.Request) -> web.Response:
-        invocations = await self._admin.request("GET", "/v1/invocations")
+        invocations = _expect(
+            await self._admin.request("GET", "/v1/invocations"), list, "invocation list"
+        )
         newest = sorted(invocations, key=lambda i: i["created_at"], reverse=True)
         reports = []
         for invocation in newest[:RECEIPTS_VERIFIED]:

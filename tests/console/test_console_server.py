@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -61,6 +62,25 @@ async def test_every_request_without_the_right_token_is_refused_401_not_redirect
         )
     # The token of the printed URL opens the page.
     assert await status_of(served, "GET", f"/?token={served.console.token}") == 200
+
+
+async def test_a_token_header_that_is_not_utf8_is_refused_401_not_an_error(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.console.port)
+    try:
+        writer.write(
+            b"GET /api/overview HTTP/1.1\r\n"
+            + f"Host: 127.0.0.1:{served.console.port}\r\n".encode()
+            + b"X-Hostcall-Token: \xff\xfe\xc3\r\nConnection: close\r\n\r\n"
+        )
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            status_line = await reader.readline()
+            await reader.read()
+    finally:
+        writer.close()
+    assert status_line.split()[1] == b"401"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_a_request_naming_another_host_is_refused_even_with_the_token(
@@ -269,6 +289,50 @@ async def test_an_invocation_shows_each_call_with_its_arguments_outcome_and_rece
     assert execution["sandbox"] != "off"
     stderr = [log for log in view["logs"] if log["stream"] == "stderr"]
     assert "hello from the guest" in stderr[0]["text"]
+
+
+async def test_a_waiting_call_with_large_arguments_is_shown_whole_with_the_others(
+    served: Served, ledger: Ledger
+) -> None:
+    # An answer of the admin API over ~256 KiB used to arrive cut off; the
+    # console then handed the page a string for its approval list, and the
+    # page showed no approvals at all, for every guest.
+    plan = billing_plan(ledger, require_approval_for_irreversible=True)
+    large = {"account": "acct_" + "9" * 300_000, "cents": 1}
+    async with driven_guest(served.sup, plan) as guest:
+        calls = [
+            asyncio.ensure_future(guest.call("c1", "charge", large)),
+            asyncio.ensure_future(guest.call("c2", "charge", CHARGE)),
+        ]
+        await wait_until(lambda: served.sup.approvals.waiting() == 2, "two proposals")
+        async with served.http.get(
+            f"{served.base}/api/overview", headers=served.headers()
+        ) as response:
+            overview = (response.status, await response.json())
+        for proposal in served.sup.approvals.list("waiting"):
+            served.sup.approvals.reject(proposal.id)
+        await asyncio.gather(*calls)
+    assert overview[0] == 200
+    shown = {p["call_id"]: p["args"] for p in overview[1]["approvals"]}
+    assert shown == {"c1": large, "c2": CHARGE}
+    assert ledger.runs["charge"] == 0
+
+
+async def test_an_invocation_of_many_large_calls_is_shown_not_failed(
+    served: Served, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger, max_calls=20)
+    sent = [{"account": f"acct_{n}_" + "x" * 60_000} for n in range(10)]
+    async with driven_guest(served.sup, plan) as guest:
+        for n, args in enumerate(sent):
+            assert (await guest.call(f"c{n}", "lookup", args))["status"] == 200
+        invocation_id = guest.execution.invocation_id
+        async with served.http.get(
+            f"{served.base}/api/invocations/{invocation_id}", headers=served.headers()
+        ) as response:
+            view = (response.status, await response.json())
+    assert view[0] == 200
+    assert [c["args"] for c in view[1]["calls"]] == sent
 
 
 async def test_the_receipts_view_tells_an_intact_chain_from_a_tampered_one(

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from supervisor import Supervisor
-from supervisor.admin_client import AdminClient, AdminError
+from supervisor.admin_client import AdminClient, AdminError, AsyncAdminClient
 from supervisor.errors import SupervisorClosing
 from supervisor.guests import GuestLauncher, RunningGuest
 from supervisor.limits import Limits
@@ -516,3 +517,35 @@ async def test_a_guest_cannot_use_the_admin_api_to_approve_itself(
             assert attempt["body"]["error"]["code"] == "origin_denied"
     assert state_while_waiting == "waiting"
     assert ledger.runs == {}
+
+
+async def test_the_async_client_reads_a_long_answer_whole_and_refuses_a_broken_one(
+    tmp_path: Path,
+) -> None:
+    # An HTTP server on a Unix socket that answers as the admin API might
+    # when it is wrong: the client must not hand a caller text for JSON.
+    long = [{"n": n, "pad": "x" * 1000} for n in range(3000)]  # ~3 MB
+
+    async def answer(request: web.Request) -> web.Response:
+        if request.path == "/long":
+            return web.json_response(long)
+        if request.path == "/broken":
+            return web.Response(text='{"cut": ', content_type="application/json")
+        return web.Response(text="hostcall_calls_total 1\n")
+
+    app = web.Application()
+    app.router.add_get("/{name}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.UnixSite(runner, str(tmp_path / "admin.sock")).start()
+    try:
+        client = AsyncAdminClient(tmp_path)
+        got = await client.request("GET", "/long")
+        with pytest.raises(AdminError) as broken:
+            await client.request("GET", "/broken")
+        text = await client.request("GET", "/metrics")
+    finally:
+        await runner.cleanup()
+    assert got == long
+    assert broken.value.code == "bad_answer" and broken.value.status == 502
+    assert text == "hostcall_calls_total 1\n"
