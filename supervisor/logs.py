@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO, ClassVar, Final, Literal, Protocol
 
-from supervisor.terminal import escape_controls, is_terminal
+from supervisor.terminal import TerminalText, escape_controls, is_terminal
 
 __all__ = [
     "EXECUTION_OUTPUT_LIMIT",
@@ -363,11 +363,15 @@ class Passthrough:
     #: Something else that draws on the terminal (the CLI's status line): it is
     #: cleared, under its lock, before guest output is written.
     interposer: ClassVar[Interposer | None] = None
+    #: Whether what was last written to a terminal ended mid-line (our
+    #: stdout and stderr are mostly one terminal: this is shared).
+    _terminal_mid_line: ClassVar[bool] = False
 
     def __init__(self, buffer: BinaryIO, backlog: int = PASSTHROUGH_BACKLOG) -> None:
         self._buffer = buffer
         self._backlog = backlog
-        self._queue: collections.deque[bytes] = collections.deque()
+        self._queue: collections.deque[tuple[bytes, bool]] = collections.deque()
+        self._mid_line = False
         self._queued = 0
         self._dropped = 0
         self._lock = threading.Condition()
@@ -376,9 +380,10 @@ class Passthrough:
         self._thread: threading.Thread | None = None
         # A terminal gets control characters as text (see supervisor.terminal).
         try:
-            self._escape = is_terminal(buffer.fileno())
+            escape = is_terminal(buffer.fileno())
         except (OSError, ValueError):  # no descriptor (a test's capture buffer)
-            self._escape = False
+            escape = False
+        self._text = TerminalText() if escape else None
 
     @classmethod
     def to(cls, stream: IO[str]) -> Passthrough | None:
@@ -392,12 +397,31 @@ class Passthrough:
         return found
 
     def write(self, data: bytes) -> None:
-        """Queue ``data``; never blocks."""
+        """Queue a guest's ``data``; never blocks."""
+        self._enqueue(data, own=False)
+
+    def say(self, line: str) -> None:
+        """Queue one line of hostcall's own; never blocks. It starts a row of
+        its own: after a guest's unfinished line (a bare ``\\r`` too), a
+        newline comes first, so guest text never shares hostcall's row."""
+        self._enqueue(line.encode() + b"\n", own=True)
+
+    @classmethod
+    def end_guest_line(cls, stream: IO[str]) -> None:
+        """Before hostcall prints to ``stream`` itself (once the guests are
+        done): end a guest's unfinished line there, as :meth:`say` would."""
+        through = cls.to(stream)
+        if through is not None and through._ended_mid_line:
+            with contextlib.suppress(OSError, ValueError):
+                stream.write("\n")
+            through._ended_mid_line = False
+
+    def _enqueue(self, data: bytes, *, own: bool) -> None:
         with self._lock:
             if self._queued + len(data) > self._backlog:
                 self._dropped += len(data)
                 return
-            self._queue.append(data)
+            self._queue.append((data, own))
             self._queued += len(data)
             self._idle.clear()
             if self._thread is None:
@@ -413,11 +437,13 @@ class Passthrough:
                 while not self._queue:
                     self._idle.set()
                     self._lock.wait()
-                data = self._queue.popleft()
+                data, own = self._queue.popleft()
                 self._queued -= len(data)
                 dropped, self._dropped = self._dropped, 0
-            if self._escape:
-                data = escape_controls(data)
+            if self._text is not None:
+                data = escape_controls(data) if own else self._text.feed(data)
+            if own and self._ended_mid_line:
+                data = b"\n" + data
             if dropped:
                 data = (
                     f"\n[hostcall: {dropped} bytes of guest output not shown here: "
@@ -434,6 +460,21 @@ class Passthrough:
                         self._buffer.write(data)
                         self._buffer.flush()
                         interposer.wrote_locked(data)
+            if data:
+                self._ended_mid_line = not data.endswith(b"\n")
+
+    @property
+    def _ended_mid_line(self) -> bool:
+        if self._text is None:
+            return self._mid_line
+        return Passthrough._terminal_mid_line or self._text.mid_character
+
+    @_ended_mid_line.setter
+    def _ended_mid_line(self, value: bool) -> None:
+        if self._text is None:
+            self._mid_line = value
+        else:
+            Passthrough._terminal_mid_line = value
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait (bounded) until everything queued so far has been written."""

@@ -22,10 +22,12 @@ import re
 import threading
 from typing import Final
 
-__all__ = ["StdinRelay", "escape_controls", "is_terminal"]
+__all__ = ["StdinRelay", "TerminalText", "escape_controls", "is_terminal"]
 
-#: C0 controls but newline, carriage return and tab; DEL; C1 controls as UTF-8.
-_CONTROLS: Final = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\xc2[\x80-\x9f]")
+#: C0 controls but newline, carriage return and tab; DEL; C1 controls; and,
+#: as ``surrogateescape`` decodes them, bytes that are not UTF-8 (a lone
+#: 0x9b is CSI to a terminal in an 8-bit mode).
+_CONTROLS: Final = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\udc80-\udcff]+")
 _CHUNK: Final = 64 * 1024
 
 
@@ -38,8 +40,51 @@ def is_terminal(fd: int) -> bool:
 
 
 def escape_controls(data: bytes) -> bytes:
-    """``data`` with every control character but newline, return and tab shown as text."""
-    return _CONTROLS.sub(lambda m: "".join(f"\\x{b:02x}" for b in m.group()).encode(), data)
+    """``data`` with every control character but newline, return and tab, and
+    every byte that is not UTF-8, shown as ``\\xNN`` text (of its bytes)."""
+    text = data.decode("utf-8", "surrogateescape")
+    return _CONTROLS.sub(_as_hex, text).encode()
+
+
+def _as_hex(match: re.Match[str]) -> str:
+    return "".join(f"\\x{b:02x}" for b in match.group().encode("utf-8", "surrogateescape"))
+
+
+class TerminalText:
+    """A stream of guest bytes made safe for a terminal, chunk by chunk.
+
+    A character split across two chunks is held back until it is whole, so
+    a C1 control written as ``\\xc2`` then ``\\x9b`` is escaped like one
+    written at once, and a letter split so is passed as itself.
+    """
+
+    def __init__(self) -> None:
+        self._held = b""
+
+    @property
+    def mid_character(self) -> bool:
+        """Whether the last chunk ended inside a character (it is held back)."""
+        return bool(self._held)
+
+    def feed(self, data: bytes) -> bytes:
+        """What of ``data`` (after what was held) can be shown, escaped."""
+        data = self._held + data
+        whole = len(data) - _unfinished_tail(data)
+        self._held = data[whole:]
+        return escape_controls(data[:whole])
+
+
+def _unfinished_tail(data: bytes) -> int:
+    """How many bytes at the end of ``data`` start a UTF-8 character that
+    has not ended there (0 to 3)."""
+    for back in range(1, min(3, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:  # ASCII: nothing unfinished
+            return 0
+        if byte >= 0xC0:  # a lead byte: of how long a character?
+            length = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return back if back < length else 0
+    return 0  # continuation bytes only: not a character's start; escaped
 
 
 class StdinRelay:

@@ -21,6 +21,7 @@ from supervisor.errors import HostcallError
 from supervisor.executions import Execution
 from supervisor.ids import new_id
 from supervisor.limits import Limits
+from supervisor.logs import Passthrough
 from supervisor.outcomes import RunOutcome
 from supervisor.plan import Plan
 from supervisor.storespec import parse_store
@@ -217,6 +218,7 @@ async def _run(
                 return status
     except asyncio.CancelledError:
         # SIGINT or SIGTERM: the guest tree was stopped on the way out.
+        Passthrough.end_guest_line(sys.stderr)
         print(
             f"hostcall: stopped; the guest tree was ended. Invocation {invocation_id} "
             f"resumes with: {_resume_hint(args, argv, state_dir, invocation_id)}",
@@ -233,6 +235,7 @@ def _report(args: argparse.Namespace, outcome: RunOutcome) -> None:
     outcome as stderr's last line (docs/operations.md: the summary goes to stderr); with
     ``--json FILE`` (``-``: stdout) the lines stay and the JSON goes there,
     apart from any guest output."""
+    Passthrough.end_guest_line(sys.stderr)
     if args.json != "":
         for execution in outcome.executions:
             print(

@@ -128,7 +128,7 @@ class _Lines:
 
     def say(self, line: str) -> None:
         if self._through is not None:
-            self._through.write(line.encode() + b"\n")
+            self._through.say(line)
             return
         with contextlib.suppress(OSError, ValueError):
             print(line, file=self._stream, flush=True)

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from supervisor.terminal import escape_controls
+from supervisor.terminal import TerminalText, escape_controls
 from tests.harness import STEP_TIMEOUT_S
 
 PLAN = '[plan]\nname = "tty"\n'
@@ -87,3 +87,56 @@ def test_a_sandboxed_guest_gets_a_pipe_for_stdin_and_its_escapes_reach_the_termi
     assert b"typed: hello" in text
     assert b"\\x1b]0;owned\\x07\\x1b[2Jfake prompt" in text
     assert b"\x1b]0;owned" not in text and b"\x1b[2J" not in text
+
+
+def test_bytes_that_are_not_utf8_are_shown_as_text_and_split_characters_kept_whole() -> None:
+    # A lone 0x9b is CSI to a terminal in an 8-bit mode; a lone 0xff is no text.
+    assert escape_controls(b"a\x9b2Jb\xffc\xed\xa0\x80") == b"a\\x9b2Jb\\xffc\\xed\\xa0\\x80"
+    text = TerminalText()
+    shown = [text.feed(b"x\xc2"), text.feed(b"\x9b2J caf\xc3"), text.feed(b"\xa9 \xf0\x9f\x98")]
+    assert text.mid_character
+    shown.append(text.feed(b"\x80!"))
+    assert shown == [b"x", b"\\xc2\\x9b2J caf", b"\xc3\xa9 ", b"\xf0\x9f\x98\x80!"]
+    assert not text.mid_character
+
+
+def _run_on_a_terminal(tmp_path: Path, guest: str) -> bytes:
+    """Everything ``hostcall run`` of ``guest`` shows on a pseudo-terminal."""
+    (tmp_path / "plan.toml").write_text(PLAN)
+    master, slave = pty.openpty()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "run",
+             "--state-dir", str(tmp_path / "state"), "--plan", str(tmp_path / "plan.toml"),
+             "--", sys.executable, "-c", guest],
+            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, start_new_session=True,
+        )  # fmt: skip
+        os.close(slave)
+        seen = bytearray()
+        _read_until(master, b" exited with ", seen)
+        assert process.wait(STEP_TIMEOUT_S) == 0
+    finally:
+        os.close(master)
+    return bytes(seen)
+
+
+def test_a_control_written_in_two_pieces_reaches_the_terminal_as_text(tmp_path: Path) -> None:
+    # The guest writes the two bytes of a C1 CSI (U+009B) apart, so that
+    # hostcall reads them as two chunks, then a lone 8-bit CSI.
+    guest = (
+        "import os, time; os.write(1, b'one \\xc2'); time.sleep(0.5); "
+        "os.write(1, b'\\x9b2J two \\x9b31m three\\n')"
+    )
+    text = _run_on_a_terminal(tmp_path, guest)
+    assert b"one \\xc2\\x9b2J two \\x9b31m three" in text
+    assert b"\x9b" not in text
+
+
+def test_a_guest_line_left_unfinished_never_shares_a_row_with_hostcalls(tmp_path: Path) -> None:
+    # A bare carriage return puts the cursor back at the start of the row:
+    # hostcall's next line would be drawn over the guest's text, or after it.
+    guest = "import os; os.write(2, b'hostcall: call c1 approved by operator, then ' + b'\\r')"
+    text = _run_on_a_terminal(tmp_path, guest)
+    [summary] = [row for row in text.split(b"\n") if b" exited with " in row]
+    assert b"approved by operator" not in summary
+    assert b"approved by operator, then \r\r\n" in text  # the guest's row, ended
