@@ -39,11 +39,12 @@ from supervisor.executions import Execution
 from supervisor.gc import collect
 from supervisor.metrics import CONTENT_TYPE, Metrics
 from supervisor.plan import Plan
+from supervisor.receipt_worker import ReceiptWorker, ReceiptWorkerFailed
 from supervisor.sockets import reachable_path
 from supervisor.statedir import StateDir
 from supervisor.stores.base import EffectRecord, EffectStore, InvocationRecord, budget_left
 from supervisor.timestamps import utc_timestamp
-from supervisor.views import calls_from_receipts, log_tails, verify_receipts
+from supervisor.views import calls_from_receipts, log_tails
 
 __all__ = ["AdminPort", "AdminServer", "record_json"]
 
@@ -142,6 +143,7 @@ class AdminServer:
         self._runner: web.AppRunner | None = None
         self._listener: ChannelListener | None = None
         self._closing = asyncio.Event()
+        self._receipt_worker = ReceiptWorker(supervisor.state.path)
 
     async def start(self) -> None:
         """Bind ``path`` (any length) with mode 0600 and serve."""
@@ -205,6 +207,7 @@ class AdminServer:
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+        await self._receipt_worker.close()
         self.path.unlink(missing_ok=True)
 
     @web.middleware
@@ -438,7 +441,10 @@ class AdminServer:
     async def _receipts(self, request: web.Request) -> web.Response:
         record = await self._known_invocation(request)
         path = self._sup.state.receipts_dir / f"{record.invocation_id}.jsonl"
-        report = await asyncio.to_thread(verify_receipts, path, self._sup.state.path)
+        try:
+            report = await self._receipt_worker.verify(path)
+        except ReceiptWorkerFailed as exc:
+            return _error(500, exc.code, exc.message)
         return web.json_response(report)
 
     async def _gc(self, request: web.Request) -> web.Response:

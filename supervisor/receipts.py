@@ -29,6 +29,7 @@ from supervisor.timestamps import utc_timestamp
 
 __all__ = [
     "GENESIS_HASH",
+    "RECEIPT_FIELDS",
     "ChainError",
     "ReceiptOutcome",
     "Receipts",
@@ -58,7 +59,8 @@ _FIELDS: Final = (
     "prev_hash",
     "hash",
 )
-_FIELD_SET: Final = frozenset(_FIELDS)
+#: The fields of a receipt, each line's and no other.
+RECEIPT_FIELDS: Final = frozenset(_FIELDS)
 _QUOTED_NAMES: Final = {name: _quote(name) + ":" for name in _FIELDS}
 #: The receipt of every call (make_receipt's fields, then prev_hash): its
 #: names quoted once, and the order JCS sorts them in (ASCII names sort the
@@ -242,7 +244,7 @@ def read_receipts(path: Path) -> Generator[tuple[int, dict[str, Any] | ChainErro
         except ValueError:
             problem = "not valid JSON"
         else:
-            if isinstance(value, dict) and set(value) == _FIELD_SET:
+            if isinstance(value, dict) and set(value) == RECEIPT_FIELDS:
                 receipt = value
                 if prev is not None:
                     problem = _chain_problem(receipt, prev)

@@ -8,7 +8,9 @@ UTF-8 replaced); showing it safely is the viewer's job.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any, Final
 
 from supervisor.audit import audit_receipts, effects_for
 from supervisor.errors import StoreUnavailable
-from supervisor.receipts import ChainError, ReceiptOutcome, read_receipts
+from supervisor.receipts import RECEIPT_FIELDS, ReceiptOutcome
 from supervisor.timestamps import utc_timestamp
 
 __all__ = ["calls_from_receipts", "log_tails", "verify_receipts"]
@@ -40,15 +42,25 @@ _EFFECT: Final[Mapping[str, str]] = {
 def calls_from_receipts(path: Path, limit: int = MAX_CALLS) -> list[dict[str, Any]]:
     """The newest ``limit`` calls of a receipt file, in the journal's shape
     (:meth:`supervisor.activity.CallEntry.to_json`), without their arguments
-    (receipts do not keep them). A missing file has no calls."""
-    calls: list[dict[str, Any]] = []
-    with contextlib.suppress(FileNotFoundError), contextlib.closing(read_receipts(path)) as items:
-        for _line, item in items:
-            if isinstance(item, ChainError):
-                continue
-            calls.append(_call_of(item))
-            if len(calls) > limit:
-                del calls[0]
+    (receipts do not keep them). A missing file has no calls.
+
+    Only the last ``limit`` lines are parsed, and none is hashed (that is
+    :func:`verify_receipts`' work): this runs in a thread of the supervisor,
+    whose event loop waits for the GIL while it does (docs/security.md, F44).
+    """
+    try:
+        with path.open("rb") as f:
+            lines = collections.deque(f, maxlen=limit)
+    except FileNotFoundError:
+        return []
+    calls = []
+    for raw in lines:
+        try:
+            receipt = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(receipt, dict) and set(receipt) == RECEIPT_FIELDS:
+            calls.append(_call_of(receipt))
     return calls
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from aiohttp import web
 
@@ -20,6 +22,7 @@ from supervisor.guests import GuestLauncher, RunningGuest
 from supervisor.limits import Limits
 from supervisor.sandbox import start as sandbox_start
 from supervisor.timestamps import utc_timestamp
+from supervisor.views import calls_from_receipts
 from tests.harness import (
     DRIVER,
     STEP_TIMEOUT_S,
@@ -549,3 +552,70 @@ async def test_the_async_client_reads_a_long_answer_whole_and_refuses_a_broken_o
     assert got == long
     assert broken.value.code == "bad_answer" and broken.value.status == 502
     assert text == "hostcall_calls_total 1\n"
+
+
+def _ended(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _receipt_workers() -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):  # a zombie (a guest's, say) has no cmdline
+            if "supervisor.receipt_worker" in " ".join(child.cmdline()):
+                found.append(child)
+    return found
+
+
+async def test_receipts_are_verified_by_a_lower_priority_worker_that_ends_with_the_supervisor(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    # Verifying a chain is CPU-bound Python: in the supervisor's own process
+    # it would hold the GIL its event loop serves every guest with (F44).
+    plan = billing_plan(ledger, max_calls=10)
+    async with Supervisor(tmp_path / "state") as sup:
+        async with driven_guest(sup, plan) as guest:
+            await guest.call("c1", "charge", CHARGE)
+            await guest.call("c1", "charge", CHARGE)
+            path = f"/v1/invocations/{guest.execution.invocation_id}/receipts"
+        first = await admin(sup, "GET", path)
+        [worker] = _receipt_workers()
+        niceness = (worker.nice(), psutil.Process().nice())
+        worker.kill()  # a worker that died is started again
+        await wait_until(lambda: _ended(worker), "the worker's end")
+        again = await admin(sup, "GET", path)
+        [second] = _receipt_workers()
+    assert first["chain_intact"] and first["receipts"] == 2 and first["ok"]
+    assert first["checked_against"] is not None  # the SQLite store, read by the worker
+    assert again == first
+    assert niceness[0] == min(19, niceness[1] + 10)
+    assert second.pid != worker.pid
+    assert _ended(second)
+    assert _receipt_workers() == []
+
+
+async def test_after_a_restart_an_invocations_activity_is_told_by_its_receipts(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    plan = billing_plan(ledger, max_calls=10)
+    async with Supervisor(tmp_path / "state") as sup, driven_guest(sup, plan) as guest:
+        await guest.call("c1", "charge", CHARGE)
+        await guest.call("c1", "charge", CHARGE)
+        await guest.call("c2", "charge", {"account": "acct_1", "cents": "many"})
+        invocation_id = guest.execution.invocation_id
+    async with Supervisor(tmp_path / "state") as restarted:
+        activity = await admin(restarted, "GET", f"/v1/invocations/{invocation_id}/activity")
+        newest = calls_from_receipts(restarted.state.receipts_dir / f"{invocation_id}.jsonl", 2)
+    assert activity["source"] == "receipts"
+    assert [c["call_id"] for c in newest] == ["c1", "c2"]  # the last two
+    calls = activity["calls"]
+    assert [(c["call_id"], c["outcome"], c["effect"]) for c in calls] == [
+        ("c1", "executed", "executed"),
+        ("c1", "replayed", "replayed"),
+        ("c2", "refused", "none"),
+    ]
+    assert calls[2]["code"] == "invalid_arguments"
+    assert all(c["args"] is None and not c["args_kept"] for c in calls)

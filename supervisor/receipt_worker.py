@@ -1,0 +1,179 @@
+"""Receipt files verified in a process of their own.
+
+Verifying a receipt file recomputes the hash of every line: CPU-bound
+Python, some 60 µs a receipt. Run in a thread of the supervisor, it holds
+the GIL, and the event loop, which gives the GIL up at every system call,
+waits up to the switch interval (5 ms) to get it back at every wake: one
+verification of a 15 MB file (25,000 receipts, which refused or replayed
+calls write at no cost to a guest's budget) cut another guest's calls
+forty-fold while it ran (docs/security.md, F44). So the admin API hands
+verification to :class:`ReceiptWorker`: one child process, started when
+first needed, at a lower CPU priority (nice 10), so that what the operator
+asks for only ever uses what the guests leave.
+
+The worker reads one JSON request a line on its stdin and writes one JSON
+answer a line on its stdout; it ends at the end of its stdin, so it never
+outlives the supervisor by more than the verification it is doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Final
+
+from supervisor.errors import HostcallError
+
+__all__ = ["ReceiptWorker", "ReceiptWorkerFailed"]
+
+#: The worker's CPU priority, relative to the supervisor's.
+NICENESS: Final = 10
+#: The longest one verification may take before the worker is stopped.
+VERIFY_TIMEOUT_S: Final = 120.0
+#: How long a closing worker may take to end before it is killed.
+STOP_TIMEOUT_S: Final = 2.0
+#: The longest answer read (a report of every line of a forged file).
+MAX_ANSWER: Final = 256 * 2**20
+#: Where ``supervisor`` is imported from, for the worker to import it too.
+_ROOT: Final = str(Path(__file__).resolve().parent.parent)
+
+
+class ReceiptWorkerFailed(HostcallError):
+    """The worker could not verify a file (it failed, or took too long)."""
+
+    code = "internal_error"
+
+
+class ReceiptWorker:
+    """Verifies receipt files in a child process (see the module docstring).
+
+    One request at a time; each waits for the one before (bounded by
+    :data:`VERIFY_TIMEOUT_S` each).
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        self._state_dir = state_dir
+        self._process: asyncio.subprocess.Process | None = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def verify(self, path: Path) -> dict[str, Any]:
+        """:func:`supervisor.views.verify_receipts` of ``path``, against the state dir.
+
+        Raises:
+            ReceiptWorkerFailed: the worker failed, ended, or took too long.
+        """
+        answer = await self._ask({"op": "verify", "path": str(path)})
+        if not isinstance(answer, dict):
+            raise ReceiptWorkerFailed("the receipt worker's answer is not a report")
+        return answer
+
+    async def close(self) -> None:
+        """End the worker (bounded); no request is served after."""
+        self._closed = True
+        async with self._lock:
+            await self._stop()
+
+    async def _ask(self, request: dict[str, Any]) -> Any:
+        async with self._lock:
+            if self._closed:
+                raise ReceiptWorkerFailed("the supervisor is closing")
+            fresh = self._process is None or self._process.returncode is not None
+            try:
+                line = await self._exchange(request)
+                if not line and not fresh:  # it ended since the last request: once more
+                    await self._stop()
+                    line = await self._exchange(request)
+                answer = json.loads(line)
+            except (TimeoutError, OSError, ValueError) as exc:  # ValueError: over the limit
+                await self._stop()
+                raise ReceiptWorkerFailed(f"the receipt worker failed: {exc!r}") from None
+            except asyncio.CancelledError:
+                self._kill()  # else its answer would be read as the next request's
+                raise
+        if not isinstance(answer, dict) or ("ok" not in answer and "error" not in answer):
+            raise ReceiptWorkerFailed("the receipt worker answered something else")
+        if "error" in answer:
+            raise ReceiptWorkerFailed(f"the receipts cannot be read: {answer['error']}")
+        return answer["ok"]
+
+    async def _exchange(self, request: dict[str, Any]) -> bytes:
+        """The worker's answer line to ``request`` (empty: the worker has ended)."""
+        process = await self._started()
+        assert process.stdin is not None
+        assert process.stdout is not None
+        async with asyncio.timeout(VERIFY_TIMEOUT_S):
+            try:
+                process.stdin.write(json.dumps(request).encode() + b"\n")
+                await process.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                return b""
+            return await process.stdout.readline()
+
+    async def _started(self) -> asyncio.subprocess.Process:
+        if self._process is not None and self._process.returncode is None:
+            return self._process
+        path = os.environ.get("PYTHONPATH")
+        env = {**os.environ, "PYTHONPATH": _ROOT + (os.pathsep + path if path else "")}
+        self._process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "supervisor.receipt_worker",
+            str(self._state_dir),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            env=env,
+            limit=MAX_ANSWER,
+        )
+        return self._process
+
+    def _kill(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+
+    async def _stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.stdin is not None:
+            process.stdin.close()  # the worker ends at the end of its input
+        try:
+            async with asyncio.timeout(STOP_TIMEOUT_S):
+                await process.wait()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()  # SIGKILL: at once
+
+
+def main(argv: list[str]) -> int:
+    """The worker: ``python -m supervisor.receipt_worker STATE_DIR``."""
+    from supervisor.views import verify_receipts
+
+    state_dir = Path(argv[0])
+    with contextlib.suppress(OSError):
+        os.nice(NICENESS)
+    for raw in sys.stdin.buffer:
+        try:
+            request = json.loads(raw)
+            if request.get("op") != "verify":
+                raise ValueError(f"no operation {request.get('op')!r}")
+            answer: dict[str, Any] = {"ok": verify_receipts(Path(request["path"]), state_dir)}
+        except OSError as exc:
+            answer = {"error": exc.strerror or type(exc).__name__}
+        except Exception as exc:  # boundary: one bad file must not end the worker
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
