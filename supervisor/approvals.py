@@ -19,7 +19,7 @@ import logging
 import time
 import typing
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal, Protocol
 
 from supervisor.errors import HostcallError
@@ -27,6 +27,8 @@ from supervisor.ids import new_id
 from supervisor.timestamps import utc_timestamp
 
 __all__ = [
+    "ENDED",
+    "ENDED_KEPT",
     "PROPOSAL_STATES",
     "TRANSITIONS",
     "ApprovalController",
@@ -47,6 +49,14 @@ ProposalState = Literal["waiting", "approved", "rejected", "expired", "cancelled
 #: Every state, in its lifecycle's order (``?state=`` of the admin API).
 PROPOSAL_STATES: Final[tuple[ProposalState, ...]] = typing.get_args(ProposalState)
 Event = Literal["approve", "reject", "expire", "cancel", "dispatch"]
+#: States nothing moves a proposal out of.
+ENDED: Final[frozenset[ProposalState]] = frozenset(
+    {"rejected", "expired", "cancelled", "dispatched"}
+)
+#: Ended proposals listed (the newest); older ones are forgotten.
+ENDED_KEPT: Final = 256
+#: Rejected calls remembered, so that a retry is not asked again (F41).
+REJECTED_KEPT: Final = 10_000
 
 #: docs/approvals.md: ``waiting → approved | rejected | expired | cancelled``;
 #: ``approved → dispatched | expired | cancelled``. Nothing else moves.
@@ -208,7 +218,8 @@ class ApprovalController:
         self._on_change = on_change
         self._proposals: dict[str, Proposal] = {}
         #: Rejected calls, by (invocation, call_id, idempotency key): a retry of
-        #: one is answered with its rejection, not asked again.
+        #: one is answered with its rejection, not asked again. The newest
+        #: :data:`REJECTED_KEPT`; those no longer listed without their arguments.
         self._rejected: dict[tuple[str, str, str], Proposal] = {}
 
     # -- the broker's side ---------------------------------------------------
@@ -253,6 +264,8 @@ class ApprovalController:
                 asker.cancel()
         if proposal.state == "rejected":
             self._rejected[call] = proposal
+            if len(self._rejected) > REJECTED_KEPT:
+                del self._rejected[next(iter(self._rejected))]
         return proposal
 
     async def _ask(self, proposal: Proposal) -> None:
@@ -337,5 +350,16 @@ class ApprovalController:
         return sum(p.state == "waiting" for p in self._proposals.values())
 
     def _changed(self) -> None:
+        self._forget_old()
         if self._on_change is not None:
             self._on_change()
+
+    def _forget_old(self) -> None:
+        """Keep the newest :data:`ENDED_KEPT` ended proposals: what a guest
+        asks is never kept without bound (its arguments may be a megabyte)."""
+        ended = [p for p in self._proposals.values() if p.state in ENDED]
+        for proposal in ended[: max(0, len(ended) - ENDED_KEPT)]:
+            del self._proposals[proposal.id]
+            call = (proposal.invocation_id, proposal.call_id, proposal.idempotency_key)
+            if self._rejected.get(call) is proposal:  # still answers its retries
+                self._rejected[call] = replace(proposal, args={})

@@ -19,9 +19,11 @@ import pytest
 from channel.wire import CallReply
 from supervisor import Plan, tool
 from supervisor.approvals import (
+    ENDED_KEPT,
     TRANSITIONS,
     ApprovalController,
     ProposalNotWaiting,
+    ProposalRequest,
     next_state,
 )
 from supervisor.broker import Broker
@@ -460,3 +462,21 @@ async def test_require_approval_for_irreversible_asks_for_untagged_tools_only(
     plan = Plan([look, act], require_approval_for_irreversible=True)
     assert not plan.needs_approval(plan.tools["look"])
     assert plan.needs_approval(plan.tools["act"])
+
+
+async def test_ended_proposals_are_forgotten_past_a_bound_and_rejections_still_hold() -> None:
+    # A guest can ask as often as it likes, with arguments of up to a megabyte.
+    approvals = ApprovalController(approver=lambda proposal: "reject")
+    asked = ENDED_KEPT + 20
+
+    def request(n: int) -> ProposalRequest:
+        return ProposalRequest(INV, "exe_1", f"c{n}", "pay", {"pad": "x" * 1000}, f"k{n}", 60)
+
+    decided = [await approvals.request(request(n)) for n in range(asked)]
+    retried = await approvals.request(request(0))
+    listed = approvals.list()
+    assert [p.state for p in decided] == ["rejected"] * asked
+    assert [p.id for p in listed] == [p.id for p in decided[-ENDED_KEPT:]]
+    assert retried.id == decided[0].id and retried.state == "rejected"
+    assert retried.args == {}  # forgotten with the listing; the rejection is kept
+    assert listed[0].args == {"pad": "x" * 1000}
