@@ -68,6 +68,7 @@ from supervisor.stores.postgres_sql import (
     LEASE_HOLDER,
     LEASE_IS_LIVE,
     LEASE_LAPSED_FOR_UPDATE,
+    LEASE_ROW,
     LIST_INVOCATIONS,
     LOCK_BUDGET,
     MARK_UNKNOWN,
@@ -298,7 +299,6 @@ class PostgresEffectStore:
         self._heartbeat_task = asyncio.create_task(
             self._heartbeat(), name=f"hostcall-lease-{self._instance_id}"
         )
-        self._open_here.add(self)
         return recovered
 
     def _setting(self, name: str) -> str | None:
@@ -425,10 +425,16 @@ class PostgresEffectStore:
         deadline = loop.time() + self.lease_s + self.renew_s + LEASE_WATCH_SLACK_S
         seen = None
         while True:
-            async with self._conn() as conn:
+            # The look and the take in one transaction, the row locked: of
+            # two copies started at the same moment, the second sees the first.
+            async with self._conn() as conn, conn.transaction():
+                await conn.execute(self._q(LEASE_ROW), self._instance_id)
                 holder = await conn.fetchrow(self._q(LEASE_HOLDER), self._instance_id)
-            if holder is None or not holder["live"] or self._earlier_life(holder):
-                return
+                if holder is None:  # forgotten in between by another replica: again
+                    continue
+                if not holder["live"] or self._earlier_life(holder):
+                    await self._take_lease(conn)
+                    return
             if seen is not None and holder["lease_expires_at"] != seen:
                 raise StoreUnavailable(
                     f"replica id {self._instance_id} is in use by a live supervisor "
@@ -442,6 +448,18 @@ class PostgresEffectStore:
                     f"{holder['hostname']}, pid {holder['pid']}, has not run out"
                 )
             await asyncio.sleep(min(LEASE_WATCH_S, self.renew_s / 2))
+
+    async def _take_lease(self, conn: _Conn) -> None:
+        await conn.execute(
+            self._q(RENEW_LEASE),
+            self._instance_id,
+            socket.gethostname(),
+            os.getpid(),
+            self.lease_s,
+        )
+        # Open from now on, for _earlier_life: a store of this process
+        # opening at the same moment must not take this one for a past life.
+        self._open_here.add(self)
 
     def _earlier_life(self, holder: asyncpg.Record) -> bool:
         """Whether the lease's holder is this replica's own earlier life."""
@@ -464,13 +482,7 @@ class PostgresEffectStore:
                 self._q(LEASE_LAPSED_FOR_UPDATE),
                 self._instance_id,
             )
-            await conn.execute(
-                self._q(RENEW_LEASE),
-                self._instance_id,
-                socket.gethostname(),
-                os.getpid(),
-                self.lease_s,
-            )
+            await self._take_lease(conn)
         if lapsed is not False and self._heartbeat_task is not None:
             logger.warning(
                 "replica %s: its lease had run out before this renewal; calls it had in"

@@ -31,6 +31,7 @@ __all__ = [
     "LEASE_IS_LIVE",
     "LEASE_LAPSED_FOR_UPDATE",
     "LEASE_LIVE",
+    "LEASE_ROW",
     "LIST_INVOCATIONS",
     "LOCK_BUDGET",
     "MARK_UNKNOWN",
@@ -166,12 +167,18 @@ BEGIN_RERUN: Final = (
     f" AND tool = $3 AND idempotency_key = $4 AND {LEASE_LIVE} RETURNING {EFFECT_COLUMNS}"
 )
 
-#: Whether a replica's lease had run out (``None``: it has no row), row locked.
-#: Who holds replica $1's lease, until when, and whether that is still ahead.
+#: A row for replica $1 to lock, if it has none: a lease nobody holds.
+LEASE_ROW: Final = (
+    "INSERT INTO {s}.replicas (instance_id, hostname, pid, started_at, lease_expires_at)"
+    " VALUES ($1, '', 0, clock_timestamp(), '-infinity') ON CONFLICT DO NOTHING"
+)
+#: Who holds replica $1's lease, until when, and whether that is still ahead;
+#: row locked: whoever decides to take the lease takes it before another looks.
 LEASE_HOLDER: Final = (
     "SELECT hostname, pid, lease_expires_at, lease_expires_at > clock_timestamp() AS live"
-    " FROM {s}.replicas WHERE instance_id = $1"
+    " FROM {s}.replicas WHERE instance_id = $1 FOR UPDATE"
 )
+#: Whether a replica's lease had run out (``None``: it has no row), row locked.
 LEASE_LAPSED_FOR_UPDATE: Final = (
     "SELECT lease_expires_at < clock_timestamp() FROM {s}.replicas"
     " WHERE instance_id = $1 FOR UPDATE"

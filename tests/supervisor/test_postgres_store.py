@@ -474,6 +474,24 @@ async def test_a_second_live_supervisor_with_the_same_replica_id_is_refused(
 
 
 @pytest.mark.postgres
+async def test_two_copies_started_at_the_same_moment_open_one_store_not_two(
+    dsn: str, stores: list[PostgresEffectStore]
+) -> None:
+    """Each looks at the id's lease before either has taken it: both found
+    it free, and each would take the other's calls in flight for its own."""
+    copies = [
+        PostgresEffectStore(dsn, instance_id="r-twin", lease_s=2, renew_s=0.2) for _ in range(2)
+    ]
+    stores.extend(copies)
+    async with asyncio.timeout(STEP_S):
+        opened = await asyncio.gather(*(c.open() for c in copies), return_exceptions=True)
+    refused = [o for o in opened if isinstance(o, StoreUnavailable)]
+    assert len(refused) == 1, opened
+    assert "in use by a live supervisor" in str(refused[0])
+    assert opened.count(0) == 1  # the other opened, with nothing to recover
+
+
+@pytest.mark.postgres
 async def test_a_replica_that_closes_hands_back_its_lease_so_others_recover_at_once(
     dsn: str, stores: list[PostgresEffectStore]
 ) -> None:
