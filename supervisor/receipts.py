@@ -35,6 +35,7 @@ __all__ = [
     "Receipts",
     "make_receipt",
     "read_receipts",
+    "receipt_digest",
     "seal",
     "verify_chain",
 ]
@@ -137,6 +138,23 @@ def seal(receipt: Mapping[str, Any], prev_hash: str) -> tuple[bytes, str]:
     except UnicodeEncodeError as exc:  # a lone surrogate: not JSON text
         raise ValueError(f"not canonical JSON: {exc}") from exc
     return line, digest
+
+
+def receipt_digest(fields: dict[str, Any]) -> str:
+    """``sha256(JCS(fields))`` of a receipt without its ``hash``: what its
+    ``hash`` must be. A line hostcall wrote takes :func:`seal`'s own path
+    (about a quarter of the general one's time, when a file is verified).
+
+    Raises:
+        ValueError: ``fields`` is not I-JSON (a lone surrogate, say).
+    """
+    pairs = _call_pairs(fields)
+    if pairs is None:
+        return sha256_hex(jcs(fields))
+    try:
+        return sha256_hex(("{" + ",".join(_CALL_SORTED(pairs)) + "}").encode())
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not canonical JSON: {exc}") from exc
 
 
 def _call_pairs(fields: dict[str, Any]) -> list[str] | None:
@@ -265,7 +283,7 @@ def _chain_problem(receipt: Mapping[str, Any], prev: str) -> str | None:
     if receipt["prev_hash"] != prev:
         return "prev_hash does not match the previous line (removed or reordered)"
     try:
-        digest = sha256_hex(jcs({k: v for k, v in receipt.items() if k != "hash"}))
+        digest = receipt_digest({k: v for k, v in receipt.items() if k != "hash"})
     except ValueError:  # not I-JSON: no hostcall sealed it
         digest = None
     if digest != receipt["hash"]:

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import rfc8785
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from supervisor import Supervisor
-from supervisor.receipts import ReceiptOutcome, make_receipt, seal
+from supervisor.receipts import ReceiptOutcome, make_receipt, receipt_digest, seal
 from tests.harness import Ledger, billing_plan, driven_guest, hostcall_cli
 
 FIELDS = {
@@ -207,6 +207,24 @@ def test_seal_writes_the_line_of_json_dumps_and_the_hash_of_rfc8785(
     assert digest == hashlib.sha256(reference).hexdigest()
     expected = {**sealed, "hash": digest}
     assert line == json.dumps(expected, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+@settings(max_examples=400, deadline=None)
+@given(_receipts | _call_receipts, st.text(alphabet="0123456789abcdef", min_size=64, max_size=64))
+def test_a_verified_line_is_hashed_as_rfc8785_would_on_every_path(
+    receipt: dict[str, Any], prev_hash: str
+) -> None:
+    # Verification takes seal's own path for the lines hostcall writes (and
+    # the general one for any other): both must be the JCS hash, read back.
+    assume("hash" not in receipt)  # its own hash field is sealed over, then replaced
+    try:
+        reference = hashlib.sha256(rfc8785.dumps({**receipt, "prev_hash": prev_hash})).hexdigest()
+    except Exception:
+        return  # not I-JSON: seal refuses it (above), nothing to read back
+    line, _ = seal(receipt, prev_hash)
+    read = json.loads(line)
+    del read["hash"]
+    assert receipt_digest(read) == reference
 
 
 @pytest.mark.parametrize("outcome", list(ReceiptOutcome))
