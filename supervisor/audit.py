@@ -61,19 +61,22 @@ once more (rule 4).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import hashlib
 import json
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal, Protocol
+from typing import Any, BinaryIO, Final, Literal, Protocol
 
 from supervisor.canonical import jcs, sha256_hex
 from supervisor.errors import StoreUnavailable
-from supervisor.receipts import ChainError, ReceiptOutcome, read_receipts
+from supervisor.receipts import ChainCheck, ChainError, ReceiptOutcome, read_receipts
 from supervisor.stores.base import EffectRecord, EffectStatus
 
 __all__ = [
+    "AuditCache",
     "EffectsSnapshot",
     "EffectsView",
     "Finding",
@@ -93,6 +96,10 @@ _RAN: Final = frozenset({ReceiptOutcome.EXECUTED, ReceiptOutcome.RESULT_INVALID}
 _NEEDS_COMMIT: Final = _RAN | {ReceiptOutcome.REPLAYED}
 
 _Call = tuple[str, str]  # (invocation_id, call_id)
+#: Files an :class:`AuditCache` remembers (the most recently audited).
+AUDITS_KEPT: Final = 64
+#: How much of a file is read at once to hash what was read before.
+_REREAD_CHUNK: Final = 2**20
 
 _COMPROMISED: Final = (
     "the effect store is the record of what ran — treat this state dir as tampered with"
@@ -270,7 +277,7 @@ class _Claim:
 
 @dataclass(slots=True)
 class _Reading:
-    """What the audit keeps of a receipt file, read once."""
+    """What the audit keeps of a receipt file, read once, and where it got to."""
 
     receipts: int = 0
     chain: ChainError | None = None
@@ -279,17 +286,118 @@ class _Reading:
     #: Each call's first executed or result_invalid receipt: its line and outcome.
     ran: dict[_Call, tuple[int, str]] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
+    #: The chain's state after the whole lines read, how many, their bytes
+    #: and the sha256 of those bytes (:class:`AuditCache`).
+    check: ChainCheck = field(default_factory=ChainCheck)
+    lines: int = 0
+    offset: int = 0
+    digest: Any = field(default_factory=hashlib.sha256)
+
+    def copy(self) -> _Reading:
+        """A copy to go on from, sharing nothing that changes."""
+        return _Reading(
+            self.receipts,
+            self.chain,
+            set(self.invocations),
+            list(self.claims),
+            dict(self.ran),
+            list(self.findings),
+            ChainCheck(self.check.prev),
+            self.lines,
+            self.offset,
+            self.digest.copy(),
+        )
+
+    def read(self, raw: bytes) -> None:
+        """The next line, ``raw`` (with its newline, but for a last line
+        still being written)."""
+        for line, item in self.check.line(self.lines + 1, raw):
+            if isinstance(item, ChainError):
+                self.chain = item
+                continue
+            self.receipts += 1
+            problem = _malformed(item)
+            if problem is not None:
+                self.findings.append(Finding("error", "malformed", problem, line))
+                continue
+            call_id = item["call_id"]
+            self.invocations.add(item["invocation_id"])
+            outcome = item["outcome"]
+            if call_id is None or outcome not in _NEEDS_COMMIT:
+                continue
+            call = (item["invocation_id"], call_id)
+            self.claims.append(
+                _Claim(
+                    line,
+                    call,
+                    outcome,
+                    item["tool"],
+                    item["idempotency_key"],
+                    item["result_sha256"],
+                )
+            )
+            if outcome in _RAN:
+                first = self.ran.setdefault(call, (line, outcome))
+                if first[0] != line:
+                    self.findings.append(_double_execution(call, item["tool"], first, line))
+        self.lines += 1
+        self.offset += len(raw)
+        self.digest.update(raw)
 
 
-def audit_receipts(path: Path, *, effects: EffectsView | None = None) -> ReceiptAudit:
+class AuditCache:
+    """Where audits of receipt files got to, so that the next audit of a file
+    that has only grown reads its new lines alone.
+
+    The lines read before are read again and hashed (sha256, in C), and the
+    audit goes on from where it stopped only if they are the very bytes it
+    read: a line changed, removed or inserted since is seen as if the file
+    were read afresh. The effect records are read afresh every time. For a
+    process that audits the same files again and again (the admin API's
+    receipt worker); not thread-safe.
+    """
+
+    def __init__(self, files: int = AUDITS_KEPT) -> None:
+        self._files = files
+        self._kept: collections.OrderedDict[Path, _Reading] = collections.OrderedDict()
+
+    def resume(self, path: Path, f: BinaryIO) -> _Reading | None:
+        """A copy of what was read of ``path``, with ``f`` just past it; or
+        ``None``, with ``f`` at the start, when the file is not as it was."""
+        kept = self._kept.get(path)
+        if kept is None:
+            return None
+        digest, left = hashlib.sha256(), kept.offset
+        while left and (chunk := f.read(min(left, _REREAD_CHUNK))):
+            digest.update(chunk)
+            left -= len(chunk)
+        if left or digest.digest() != kept.digest.digest():
+            del self._kept[path]
+            f.seek(0)
+            return None
+        self._kept.move_to_end(path)
+        return kept.copy()
+
+    def keep(self, path: Path, reading: _Reading) -> None:
+        """Remember ``reading`` (a copy) of ``path``."""
+        self._kept[path] = reading.copy()
+        self._kept.move_to_end(path)
+        while len(self._kept) > self._files:
+            self._kept.popitem(last=False)
+
+
+def audit_receipts(
+    path: Path, *, effects: EffectsView | None = None, cache: AuditCache | None = None
+) -> ReceiptAudit:
     """Check a receipt file's chain and rules 1-2, and with ``effects`` rules 3-4
-    (see the module docstring).
+    (see the module docstring); with ``cache``, going on from where the last
+    audit of the file stopped, if the file only grew since.
 
     Raises:
         OSError: the file cannot be read.
         StoreUnavailable: ``effects`` cannot be read.
     """
-    reading = _read(path)
+    reading = _read(path, cache)
     findings = reading.findings
     if effects is not None:
         stem = path.name.removesuffix(".jsonl") if path.name.endswith(".jsonl") else None
@@ -313,38 +421,21 @@ def audit_receipts(path: Path, *, effects: EffectsView | None = None) -> Receipt
     )
 
 
-def _read(path: Path) -> _Reading:
-    reading = _Reading()
-    with contextlib.closing(read_receipts(path)) as items:
-        for line, item in items:
-            if isinstance(item, ChainError):
-                reading.chain = item
-                continue
-            reading.receipts += 1
-            problem = _malformed(item)
-            if problem is not None:
-                reading.findings.append(Finding("error", "malformed", problem, line))
-                continue
-            call_id = item["call_id"]
-            reading.invocations.add(item["invocation_id"])
-            outcome = item["outcome"]
-            if call_id is None or outcome not in _NEEDS_COMMIT:
-                continue
-            call = (item["invocation_id"], call_id)
-            reading.claims.append(
-                _Claim(
-                    line,
-                    call,
-                    outcome,
-                    item["tool"],
-                    item["idempotency_key"],
-                    item["result_sha256"],
-                )
-            )
-            if outcome in _RAN:
-                first = reading.ran.setdefault(call, (line, outcome))
-                if first[0] != line:
-                    reading.findings.append(_double_execution(call, item["tool"], first, line))
+def _read(path: Path, cache: AuditCache | None) -> _Reading:
+    with path.open("rb") as f:
+        reading = cache.resume(path, f) if cache is not None else None
+        if reading is None:
+            reading = _Reading()
+        tail = None
+        for raw in f:
+            if not raw.endswith(b"\n"):  # the last line, still being written
+                tail = raw
+                break
+            reading.read(raw)
+        if cache is not None:
+            cache.keep(path, reading)  # whole lines only: the tail is read again
+        if tail is not None:
+            reading.read(tail)
     return reading
 
 

@@ -155,9 +155,11 @@ class ReceiptWorker:
 
 def main(argv: list[str]) -> int:
     """The worker: ``python -m supervisor.receipt_worker STATE_DIR``."""
+    from supervisor.audit import AuditCache
     from supervisor.views import verify_receipts
 
     state_dir = Path(argv[0])
+    cache = AuditCache()  # the console asks for the same files every few seconds
     with contextlib.suppress(OSError):
         os.nice(NICENESS)
     for raw in sys.stdin.buffer:
@@ -165,7 +167,8 @@ def main(argv: list[str]) -> int:
             request = json.loads(raw)
             if request.get("op") != "verify":
                 raise ValueError(f"no operation {request.get('op')!r}")
-            answer: dict[str, Any] = {"ok": verify_receipts(Path(request["path"]), state_dir)}
+            report = verify_receipts(Path(request["path"]), state_dir, cache)
+            answer: dict[str, Any] = {"ok": report}
         except OSError as exc:
             answer = {"error": exc.strerror or type(exc).__name__}
         except Exception as exc:  # boundary: one bad file must not end the worker

@@ -30,6 +30,7 @@ from supervisor.timestamps import utc_timestamp
 __all__ = [
     "GENESIS_HASH",
     "RECEIPT_FIELDS",
+    "ChainCheck",
     "ChainError",
     "ReceiptOutcome",
     "Receipts",
@@ -253,8 +254,21 @@ def read_receipts(path: Path) -> Generator[tuple[int, dict[str, Any] | ChainErro
     after the break are yielded if they are receipts, but no longer
     chain-checked: nothing ties them to the verified part.
     """
-    prev: str | None = GENESIS_HASH  # None once the chain is broken
+    check = ChainCheck()
     for number, raw in _lines(path):
+        yield from check.line(number, raw)
+
+
+@dataclass(slots=True)
+class ChainCheck:
+    """:func:`read_receipts`' check, a line at a time: what it keeps between
+    lines is the hash the next one must name, so it can go on later."""
+
+    #: The last line's ``hash``; ``None`` once the chain is broken.
+    prev: str | None = GENESIS_HASH
+
+    def line(self, number: int, raw: bytes) -> Iterator[tuple[int, dict[str, Any] | ChainError]]:
+        """What line ``number`` yields (see :func:`read_receipts`)."""
         receipt: dict[str, Any] | None = None
         problem: str | None = None
         try:
@@ -264,17 +278,17 @@ def read_receipts(path: Path) -> Generator[tuple[int, dict[str, Any] | ChainErro
         else:
             if isinstance(value, dict) and set(value) == RECEIPT_FIELDS:
                 receipt = value
-                if prev is not None:
-                    problem = _chain_problem(receipt, prev)
+                if self.prev is not None:
+                    problem = _chain_problem(receipt, self.prev)
             else:
                 problem = "not a receipt (fields differ)"
-        if prev is not None:
+        if self.prev is not None:
             if problem is not None:
                 yield number, ChainError(number, problem)
-                prev = None
+                self.prev = None
             else:
                 assert receipt is not None
-                prev = receipt["hash"]
+                self.prev = receipt["hash"]
         if receipt is not None:
             yield number, receipt
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from supervisor.audit import audit_receipts, effects_for
+from supervisor.audit import AuditCache, audit_receipts, effects_for
 from supervisor.errors import StoreUnavailable
 from supervisor.receipts import RECEIPT_FIELDS, ReceiptOutcome
 from supervisor.timestamps import utc_timestamp
@@ -93,9 +93,12 @@ def _when(value: Any) -> Any:
     return utc_timestamp(value) if isinstance(value, int | float) else value
 
 
-def verify_receipts(path: Path, state_dir: Path | None) -> dict[str, Any]:
+def verify_receipts(
+    path: Path, state_dir: Path | None, cache: AuditCache | None = None
+) -> dict[str, Any]:
     """``hostcall receipts verify`` of one file, as JSON: whether the chain is
-    intact, what it was checked against, and each finding."""
+    intact, what it was checked against, and each finding (going on from
+    the last audit in ``cache``, if the file only grew since)."""
     if not path.exists():
         return {
             "file": str(path),
@@ -111,7 +114,7 @@ def verify_receipts(path: Path, state_dir: Path | None) -> dict[str, Any]:
     if state_dir is not None:
         with contextlib.suppress(StoreUnavailable):  # not the SQLite store: the chain only
             effects = effects_for(path, state_dir)
-    audit = audit_receipts(path, effects=effects)
+    audit = audit_receipts(path, effects=effects, cache=cache)
     return {
         "file": str(path),
         "exists": True,

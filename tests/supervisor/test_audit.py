@@ -27,6 +27,7 @@ import pytest
 
 from supervisor.approvals import ApprovalController
 from supervisor.audit import (
+    AuditCache,
     EffectsSnapshot,
     ReceiptAudit,
     SQLiteEffectsView,
@@ -541,3 +542,41 @@ def test_the_store_beside_a_receipts_folder_is_found_and_a_named_state_dir_must_
     assert named.path == state / "effects.db"
     with pytest.raises(StoreUnavailable, match="no effect store to check against"):
         effects_for(elsewhere, tmp_path)
+
+
+# -- going on from an earlier audit -------------------------------------------
+
+
+def test_an_audit_going_on_from_the_last_finds_what_a_fresh_one_does(state: Path) -> None:
+    """The admin API's worker audits the same files every few seconds, from
+    where it stopped: a file that changed anywhere but at its end must be
+    read afresh, and a line still being written must be read again."""
+    path = _receipts_file(state)
+    honest = path.read_bytes()
+    lines = honest.splitlines(keepends=True)
+    receipts = _read(path)
+    forged_line = _line_of(receipts, "c1", "executed")
+    changed = honest.replace(b'"tool":"charge"', b'"tool":"chargf"', 1)  # same length
+    assert len(changed) == len(honest) and changed != honest
+    growing = [
+        b"".join(lines[:3]),  # the first calls
+        b"".join(lines[:3]) + lines[3][:40],  # the next line, half written
+        b"".join(lines[:5]),  # finished, and one more
+        honest,  # all of them
+        changed,  # a line read before, changed in place
+        honest,  # put back
+        b"".join(lines[:2] + lines[3:]),  # a line read before, removed
+        honest[: len(lines[0]) + 10],  # cut short inside the second line
+        honest + lines[forged_line - 1],  # a second executed receipt appended
+    ]
+    effects = SQLiteEffectsView(state / "effects.db")
+    cache = AuditCache()
+    going_on, fresh = [], []
+    for content in growing:
+        path.write_bytes(content)
+        going_on.append(audit_receipts(path, effects=effects, cache=cache))
+        fresh.append(audit_receipts(path, effects=effects))
+    assert going_on == fresh
+    intact = [True, False, True, True, False, True, False, False, False]
+    assert [a.chain_intact for a in fresh] == intact
+    assert "double_execution" in {f.rule for f in fresh[-1].findings}
