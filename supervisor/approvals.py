@@ -263,7 +263,10 @@ class ApprovalController:
             if asker is not None and not asker.done():
                 asker.cancel()
         if proposal.state == "rejected":
-            self._rejected[call] = proposal
+            # Forgotten already (rejected after 256 newer ones ended)? Then
+            # without its arguments, as _forget_old keeps the others.
+            listed = self._proposals.get(proposal.id) is proposal
+            self._rejected[call] = proposal if listed else replace(proposal, args={})
             if len(self._rejected) > REJECTED_KEPT:
                 del self._rejected[next(iter(self._rejected))]
         return proposal

@@ -40,6 +40,11 @@ STOP_TIMEOUT_S: Final = 2.0
 MAX_ANSWER: Final = 256 * 2**20
 #: Where ``supervisor`` is imported from, for the worker to import it too.
 _ROOT: Final = str(Path(__file__).resolve().parent.parent)
+#: The worker's program: ``argv[1]`` is :data:`_ROOT`, ``argv[2]`` the state dir.
+_WORKER_MAIN: Final = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from supervisor.receipt_worker import main; sys.exit(main(sys.argv[2:]))"
+)
 
 
 class ReceiptWorkerFailed(HostcallError):
@@ -115,19 +120,25 @@ class ReceiptWorker:
             return await process.stdout.readline()
 
     async def _started(self) -> asyncio.subprocess.Process:
-        if self._process is not None and self._process.returncode is None:
+        if self._process is not None and self._process.returncode is not None:
+            self._process = None
+        if self._process is not None:
             return self._process
-        path = os.environ.get("PYTHONPATH")
-        env = {**os.environ, "PYTHONPATH": _ROOT + (os.pathsep + path if path else "")}
+        # -I: no working directory, PYTHONPATH or user site on its path (a
+        # guest may write the folder the supervisor was started in: a json.py
+        # there would run as the supervisor); cwd "/" for the same reason.
+        # The package is imported from where this supervisor imports it.
         self._process = await asyncio.create_subprocess_exec(
             sys.executable,
-            "-m",
-            "supervisor.receipt_worker",
+            "-I",
+            "-c",
+            _WORKER_MAIN,
+            _ROOT,
             str(self._state_dir),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
-            env=env,
+            cwd="/",
             limit=MAX_ANSWER,
         )
         return self._process
@@ -154,7 +165,7 @@ class ReceiptWorker:
 
 
 def main(argv: list[str]) -> int:
-    """The worker: ``python -m supervisor.receipt_worker STATE_DIR``."""
+    """The worker (:data:`_WORKER_MAIN`), given the state dir."""
     from supervisor.audit import AuditCache
     from supervisor.views import verify_receipts
 

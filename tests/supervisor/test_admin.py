@@ -619,3 +619,23 @@ async def test_after_a_restart_an_invocations_activity_is_told_by_its_receipts(
     ]
     assert calls[2]["code"] == "invalid_arguments"
     assert all(c["args"] is None and not c["args_kept"] for c in calls)
+
+
+async def test_the_receipt_worker_imports_nothing_from_the_supervisors_working_directory(
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A guest may write the folder the supervisor was started in; the
+    # worker runs as the supervisor's uid, unsandboxed.
+    planted = tmp_path / "cwd"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    for name in ("json.py", "supervisor.py"):
+        (planted / name).write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    monkeypatch.chdir(planted)
+    async with Supervisor(tmp_path / "state") as sup:
+        async with driven_guest(sup, billing_plan(ledger)) as guest:
+            await guest.call("c1", "lookup", {"account": "acct_1"})
+            path = f"/v1/invocations/{guest.execution.invocation_id}/receipts"
+        report = await admin(sup, "GET", path)
+    assert report["chain_intact"] and report["receipts"] == 1
+    assert not marker.exists()
