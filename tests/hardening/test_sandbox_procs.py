@@ -34,6 +34,7 @@ import pytest
 from tests.hardening.proc_support import (
     GUEST_UID,
     Fifo,
+    Served,
     api_run,
     as_account,
     cgroups_of,
@@ -471,6 +472,19 @@ report(sys.argv[1], charge=answers["charge"][0],
 """
 
 
+def listed_once_proposed(account: Account, served: Served) -> list[dict[str, Any]]:
+    """``hostcall approvals list --json``, asked again (bounded) until it
+    lists a proposal."""
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while True:
+        listed = account.hostcall("approvals", "list", "--json", "--state-dir", str(served.state))
+        assert listed.returncode == 0, listed.stderr
+        proposals: list[dict[str, Any]] = json.loads(listed.stdout)
+        if proposals or time.monotonic() > deadline:
+            return proposals
+        time.sleep(0.1)
+
+
 def test_a_sandboxed_guest_finds_no_route_to_the_admin_api_to_approve_its_own_call(
     account: Account,
 ) -> None:
@@ -483,11 +497,9 @@ def test_a_sandboxed_guest_finds_no_route_to_the_admin_api_to_approve_its_own_ca
         with serving(account, sandbox=f'read_write = ["{shared}"]\n') as served:
             launched = served.launch(guest(S4_REACH_ADMIN), str(fifo.path), str(served.state))
             routes = fifo.read()
-            listed = account.hostcall(
-                "approvals", "list", "--json", "--state-dir", str(served.state)
-            )
-            assert listed.returncode == 0, listed.stderr
-            proposals = json.loads(listed.stdout)
+            # The guest sends its call from a thread and reports its routes
+            # without waiting for it: the proposal may come a little later.
+            proposals = listed_once_proposed(account, served)
             assert [(p["tool"], p["state"]) for p in proposals] == [("charge", "waiting")]
             rejected = account.hostcall(
                 "approvals", "reject", proposals[0]["id"], "--state-dir", str(served.state)
