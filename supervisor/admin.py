@@ -276,7 +276,13 @@ class AdminServer:
         state = request.query.get("state")
         if state is not None and state not in PROPOSAL_STATES:
             raise Refusal("bad_request", f"state must be one of {', '.join(PROPOSAL_STATES)}")
-        return web.json_response([p.to_json() for p in self._sup.approvals.list(state)])
+        args = request.query.get("args", "whole")
+        if args not in ("whole", "preview"):
+            raise Refusal("bad_request", "args must be whole or preview")
+        preview = args == "preview"
+        return web.json_response(
+            [p.to_json(preview=preview) for p in self._sup.approvals.list(state)]
+        )
 
     async def _approval(self, request: web.Request) -> web.Response:
         return web.json_response(

@@ -14,7 +14,9 @@ effect.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import json
 import logging
 import time
 import typing
@@ -27,8 +29,10 @@ from supervisor.ids import new_id
 from supervisor.timestamps import utc_timestamp
 
 __all__ = [
+    "ARGS_LISTED_BYTES",
     "ENDED",
     "ENDED_KEPT",
+    "ENDED_KEPT_BYTES",
     "PROPOSAL_STATES",
     "TRANSITIONS",
     "ApprovalController",
@@ -55,6 +59,15 @@ ENDED: Final[frozenset[ProposalState]] = frozenset(
 )
 #: Ended proposals listed (the newest); older ones are forgotten.
 ENDED_KEPT: Final = 256
+#: … and no more of them than hold this many bytes of arguments in all.
+ENDED_KEPT_BYTES: Final = 32 * 1024 * 1024
+#: Arguments over this many bytes (their JSON) are listed as a preview by
+#: ``GET /v1/approvals?args=preview`` (the console's overview), so that a
+#: guest's large calls cannot make a list of proposals too long to read;
+#: ``GET /v1/approvals/{id}`` has them whole.
+ARGS_LISTED_BYTES: Final = 16 * 1024
+#: Characters of the JSON text such a preview shows.
+ARGS_PREVIEW_CHARS: Final = 2048
 #: Rejected calls remembered, so that a retry is not asked again (F41).
 REJECTED_KEPT: Final = 10_000
 
@@ -159,8 +172,18 @@ class Proposal:
             self.move("dispatch")
         return self.state
 
-    def to_json(self) -> dict[str, Any]:
-        """The stable JSON form (``hostcall approvals list --json``, admin API)."""
+    @functools.cached_property
+    def args_size(self) -> int:
+        """Bytes of the arguments' JSON (measured once: they never change)."""
+        return len(json.dumps(self.args, ensure_ascii=False, separators=(",", ":")).encode())
+
+    def to_json(self, *, preview: bool = False) -> dict[str, Any]:
+        """The stable JSON form (``hostcall approvals list --json``, admin API).
+
+        ``preview``: arguments over :data:`ARGS_LISTED_BYTES` are ``null``,
+        with ``args_preview`` (the start of their JSON text) instead; every
+        proposal then says ``args_bytes``."""
+        listed = self._listed() if preview else {}
         return {
             "id": self.id,
             "state": self.state,
@@ -176,7 +199,14 @@ class Proposal:
             "decided_at": utc_timestamp(self.decided_at) if self.decided_at else None,
             "decided_by": self.decided_by,
             "reason": self.reason,
+            **listed,
         }
+
+    def _listed(self) -> dict[str, Any]:
+        if self.args_size <= ARGS_LISTED_BYTES:
+            return {"args_bytes": self.args_size}
+        text = json.dumps(self.args, ensure_ascii=False, indent=2)[:ARGS_PREVIEW_CHARS]
+        return {"args": None, "args_bytes": self.args_size, "args_preview": text}
 
 
 class ApprovalTicket(Protocol):
@@ -358,10 +388,17 @@ class ApprovalController:
             self._on_change()
 
     def _forget_old(self) -> None:
-        """Keep the newest :data:`ENDED_KEPT` ended proposals: what a guest
-        asks is never kept without bound (its arguments may be a megabyte)."""
+        """Keep the newest ended proposals, at most :data:`ENDED_KEPT` and
+        :data:`ENDED_KEPT_BYTES` of arguments: what a guest asks is never
+        kept without bound (its arguments may be a megabyte)."""
         ended = [p for p in self._proposals.values() if p.state in ENDED]
-        for proposal in ended[: max(0, len(ended) - ENDED_KEPT)]:
+        kept, held = 0, 0
+        for proposal in reversed(ended):
+            held += proposal.args_size
+            if kept == ENDED_KEPT or (kept and held > ENDED_KEPT_BYTES):
+                break
+            kept += 1
+        for proposal in ended[: len(ended) - kept]:
             del self._proposals[proposal.id]
             call = (proposal.invocation_id, proposal.call_id, proposal.idempotency_key)
             if self._rejected.get(call) is proposal:  # still answers its retries

@@ -144,6 +144,7 @@ class ConsoleServer:
                 web.get("/api/invocations/{invocation_id}", self._invocation),
                 web.get("/api/receipts", self._receipts),
                 web.get("/api/metrics", self._metrics),
+                web.get("/api/approvals/{proposal_id}", self._proposal),
                 web.post("/api/approvals/{proposal_id}/{decision}", self._decide),
             ]
         )
@@ -247,7 +248,8 @@ class ConsoleServer:
     async def _overview(self, request: web.Request) -> web.Response:
         invocations, proposals, stats = await asyncio.gather(
             self._admin.request("GET", "/v1/invocations"),
-            self._admin.request("GET", "/v1/approvals"),
+            # Large arguments as a preview: the page asks for them whole.
+            self._admin.request("GET", "/v1/approvals?args=preview"),
             self._admin.request("GET", "/v1/stats"),
         )
         return web.json_response(
@@ -298,6 +300,15 @@ class ConsoleServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.json_response({"interval_s": SAMPLE_INTERVAL_S, "samples": list(self._samples)})
+
+    async def _proposal(self, request: web.Request) -> web.Response:
+        """One proposal, its arguments whole (the overview lists large ones
+        as a preview)."""
+        proposal_id = request.match_info["proposal_id"]
+        if not is_valid_id(proposal_id):
+            raise web.HTTPNotFound(reason="no such proposal")
+        proposal = await self._admin.request("GET", f"/v1/approvals/{proposal_id}")
+        return web.json_response(_expect(proposal, dict, "proposal"))
 
     async def _decide(self, request: web.Request) -> web.Response:
         proposal_id = request.match_info["proposal_id"]

@@ -246,6 +246,31 @@ async def test_characters_that_hide_text_are_shown_as_escapes_to_the_deciding_op
     assert ledger.runs["charge"] == 0
 
 
+async def test_large_arguments_are_previewed_and_shown_whole_at_a_click_with_hidden_text_escaped(
+    served: Served, ledger: Ledger, page: Any
+) -> None:
+    plan = billing_plan(ledger, require_approval_for_irreversible=True)
+    args = {"account": "acct_" + "7" * 40_000 + HIDDEN, "cents": 1}
+    async with driven_guest(served.sup, plan) as guest:
+        await page.goto(url(served, "approvals"))
+        call = asyncio.ensure_future(guest.call("c1", "charge", args))
+        card = await waiting_card(page)
+        previewed = await card.locator("pre.args").inner_text()
+        await card.get_by_role("button", name="Show all").click()
+        whole = card.locator("pre.args", has_text="cents")
+        await whole.wait_for()
+        shown = await whole.inner_text()
+        buttons = await card.locator("button.whole-args").count()
+        served.sup.approvals.reject(served.sup.approvals.list("waiting")[0].id, reason="test")
+        await call
+    assert previewed.startswith('{\n  "account": "acct_777') and previewed.endswith("…")
+    assert len(previewed) < 2100 and "cents" not in previewed
+    assert "7" * 40_000 + "acct_9\\u202e0001" in shown  # whole, hidden text escaped
+    assert not [c for c in HIDDEN if not c.isascii() and c in shown]
+    assert buttons == 0
+    assert ledger.runs["charge"] == 0
+
+
 async def test_the_page_without_its_token_is_refused(served: Served, page: Any) -> None:
     response = await page.goto(f"{served.base}/")
     body = await page.inner_text("body")

@@ -291,30 +291,42 @@ async def test_an_invocation_shows_each_call_with_its_arguments_outcome_and_rece
     assert "hello from the guest" in stderr[0]["text"]
 
 
-async def test_a_waiting_call_with_large_arguments_is_shown_whole_with_the_others(
+async def test_waiting_calls_with_large_arguments_are_previewed_and_shown_whole_on_asking(
     served: Served, ledger: Ledger
 ) -> None:
     # An answer of the admin API over ~256 KiB used to arrive cut off; the
     # console then handed the page a string for its approval list, and the
-    # page showed no approvals at all, for every guest.
+    # page showed no approvals at all, for every guest. Then (read whole) a
+    # few dozen calls of a megabyte still made the list longer than the
+    # console reads: the overview lists large arguments as a preview.
     plan = billing_plan(ledger, require_approval_for_irreversible=True)
-    large = {"account": "acct_" + "9" * 300_000, "cents": 1}
+    large = [{"account": f"acct_{n}_" + "9" * 300_000, "cents": 1} for n in range(8)]
     async with driven_guest(served.sup, plan) as guest:
         calls = [
-            asyncio.ensure_future(guest.call("c1", "charge", large)),
-            asyncio.ensure_future(guest.call("c2", "charge", CHARGE)),
+            *(asyncio.ensure_future(guest.call(f"c{n}", "charge", a)) for n, a in enumerate(large)),
+            asyncio.ensure_future(guest.call("small", "charge", CHARGE)),
         ]
-        await wait_until(lambda: served.sup.approvals.waiting() == 2, "two proposals")
+        await wait_until(lambda: served.sup.approvals.waiting() == len(calls), "the proposals")
         async with served.http.get(
             f"{served.base}/api/overview", headers=served.headers()
         ) as response:
-            overview = (response.status, await response.json())
+            overview = (response.status, await response.read())
+        listed = {p["call_id"]: p for p in json.loads(overview[1])["approvals"]}
+        async with served.http.get(
+            f"{served.base}/api/approvals/{listed['c3']['id']}", headers=served.headers()
+        ) as response:
+            whole = (response.status, await response.json())
         for proposal in served.sup.approvals.list("waiting"):
             served.sup.approvals.reject(proposal.id)
         await asyncio.gather(*calls)
     assert overview[0] == 200
-    shown = {p["call_id"]: p["args"] for p in overview[1]["approvals"]}
-    assert shown == {"c1": large, "c2": CHARGE}
+    assert len(overview[1]) < 100_000  # 2.4 MB of arguments asked
+    assert listed["small"]["args"] == CHARGE
+    for n in range(len(large)):
+        shown = listed[f"c{n}"]
+        assert shown["args"] is None and shown["args_bytes"] > 300_000
+        assert shown["args_preview"].startswith(f'{{\n  "account": "acct_{n}_999')
+    assert whole == (200, {**whole[1], "args": large[3], "call_id": "c3"})
     assert ledger.runs["charge"] == 0
 
 

@@ -221,10 +221,14 @@ async def test_a_revoked_tool_stays_revoked_for_later_executions(
     assert ledger.runs["lookup"] == 1
 
 
-async def test_approvals_of_an_unknown_state_is_a_bad_request(sup: Supervisor) -> None:
+async def test_approvals_of_an_unknown_state_or_args_form_is_a_bad_request(sup: Supervisor) -> None:
     assert await admin(sup, "GET", "/v1/approvals?state=waiting") == []
     with pytest.raises(AdminError) as bogus:
         await admin(sup, "GET", "/v1/approvals?state=bogus")
+    assert (bogus.value.status, bogus.value.code) == (400, "bad_request")
+    assert await admin(sup, "GET", "/v1/approvals?args=preview") == []
+    with pytest.raises(AdminError) as bogus:
+        await admin(sup, "GET", "/v1/approvals?args=some")
     assert (bogus.value.status, bogus.value.code) == (400, "bad_request")
 
 

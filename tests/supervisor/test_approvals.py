@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import supervisor.approvals as approvals_module
 from channel.wire import CallReply
 from supervisor import Plan, tool
 from supervisor.approvals import (
@@ -480,3 +481,35 @@ async def test_ended_proposals_are_forgotten_past_a_bound_and_rejections_still_h
     assert retried.id == decided[0].id and retried.state == "rejected"
     assert retried.args == {}  # forgotten with the listing; the rejection is kept
     assert listed[0].args == {"pad": "x" * 1000}
+
+
+async def test_ended_proposals_are_kept_only_up_to_a_total_of_argument_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 256 ended proposals of a megabyte each would be 256 MB of a guest's.
+    monkeypatch.setattr(approvals_module, "ENDED_KEPT_BYTES", 1_000_000)
+    approvals = ApprovalController(approver=lambda proposal: "reject")
+
+    def request(n: int, size: int) -> ProposalRequest:
+        return ProposalRequest(INV, "exe_1", f"c{n}", "pay", {"pad": "x" * size}, f"k{n}", 60)
+
+    decided = [await approvals.request(request(n, 300_000)) for n in range(5)]
+    assert [p.id for p in approvals.list()] == [p.id for p in decided[-3:]]  # 3 × 300 KB
+    huge = await approvals.request(request(5, 2_000_000))
+    assert [p.id for p in approvals.list()] == [huge.id]  # the newest, however large
+
+
+async def test_a_list_previews_large_arguments_and_a_proposal_has_them_whole() -> None:
+    approvals = ApprovalController(approver=lambda proposal: "reject")
+    large = {"pad": "\u00e9" * 20_000, "n": 1}  # é: two bytes each in UTF-8
+    small = {"n": 2}
+    await approvals.request(ProposalRequest(INV, "exe_1", "c1", "pay", large, "k1", 60))
+    await approvals.request(ProposalRequest(INV, "exe_1", "c2", "pay", small, "k2", 60))
+    first, second = (p.to_json(preview=True) for p in approvals.list())
+    assert first["args"] is None
+    assert first["args_bytes"] == len(
+        json.dumps(large, ensure_ascii=False).replace(" ", "").encode()
+    )
+    assert first["args_preview"] == json.dumps(large, ensure_ascii=False, indent=2)[:2048]
+    assert (second["args"], second["args_bytes"], "args_preview" in second) == (small, 7, False)
+    assert approvals.list()[0].to_json()["args"] == large  # not previewed unless asked

@@ -43,9 +43,8 @@ function unitEscapes(char) {
   for (let i = 0; i < char.length; i++) escaped += "\\u" + char.charCodeAt(i).toString(16).padStart(4, "0");
   return escaped;
 }
-function pretty(value) {
-  return JSON.stringify(value, null, 2).replace(UNSEEN, (char) => (char === "\n" ? char : unitEscapes(char)));
-}
+function pretty(value) { return visible(JSON.stringify(value, null, 2)); }
+function visible(json) { return json.replace(UNSEEN, (char) => (char === "\n" ? char : unitEscapes(char))); }
 // Other text a guest chose (a tool name it made up, refused but recorded), the same way.
 function inert(text) { return String(text ?? "").replace(UNSEEN, unitEscapes); }
 function short(text, n) { text = String(text ?? ""); return text.length > n ? text.slice(0, n - 1) + "…" : text; }
@@ -79,6 +78,7 @@ async function api(path, options) {
 
 const state = { overview: null, invocation: null, receipts: null, metrics: null, error: null };
 const notes = {}; // proposal id -> message after a decision
+const wholeArgs = {}; // proposal id -> its arguments, asked for whole (the overview previews large ones)
 
 function route() {
   const hash = location.hash.replace(/^#/, "") || "invocations";
@@ -361,7 +361,28 @@ function proposalCard(p, invocation) {
   if (notes[p.id]) actions.push(el("p", { class: "muted note" }, notes[p.id]));
   return el("article", { class: "panel proposal", "data-proposal": p.id, "data-state": p.state },
     el("div", {}, facts, actions),
-    el("div", {}, el("div", { class: "muted" }, "Arguments"), el("pre", { class: "args" }, pretty(p.args))));
+    el("div", {}, el("div", { class: "muted" }, "Arguments"), argsView(p)));
+}
+
+// The overview lists arguments over 16 KiB as the start of their JSON text
+// (args null, args_preview): a guest's megabyte calls cannot make the list too
+// long to load. The whole comes from the proposal itself, on a click.
+function argsView(p) {
+  if (p.args !== null || typeof p.args_preview !== "string") return el("pre", { class: "args" }, pretty(p.args));
+  if (p.id in wholeArgs) return el("pre", { class: "args" }, pretty(wholeArgs[p.id]));
+  const showAll = async (event) => {
+    event.target.disabled = true;
+    try {
+      wholeArgs[p.id] = (await api(`/api/approvals/${encodeURIComponent(p.id)}`)).args;
+    } catch (error) {
+      notes[p.id] = `could not load the arguments: ${error.message}`;
+    }
+    render();
+  };
+  return [
+    el("pre", { class: "args preview" }, `${visible(p.args_preview)}\n…`),
+    el("button", { class: "whole-args", onclick: showAll }, `Show all ${p.args_bytes} bytes`),
+  ];
 }
 
 function tickLeases() {
