@@ -21,7 +21,7 @@ import sqlite3
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pytest
 
@@ -571,12 +571,23 @@ def test_an_audit_going_on_from_the_last_finds_what_a_fresh_one_does(state: Path
     ]
     effects = SQLiteEffectsView(state / "effects.db")
     cache = AuditCache()
+    resumed: list[bool] = []
+    resume = cache.resume
+
+    def told(path: Path, f: BinaryIO) -> Any:
+        reading = resume(path, f)
+        resumed.append(reading is not None)
+        return reading
+
+    cache.resume = told  # type: ignore[method-assign]
     going_on, fresh = [], []
     for content in growing:
         path.write_bytes(content)
         going_on.append(audit_receipts(path, effects=effects, cache=cache))
         fresh.append(audit_receipts(path, effects=effects))
     assert going_on == fresh
+    # It did go on where the file had only grown (else this proves nothing).
+    assert resumed == [False, True, True, True, False, False, False, False, True]
     intact = [True, False, True, True, False, True, False, False, False]
     assert [a.chain_intact for a in fresh] == intact
     assert "double_execution" in {f.rule for f in fresh[-1].findings}
