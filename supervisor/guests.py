@@ -56,8 +56,12 @@ logger = logging.getLogger(__name__)
 
 #: How long an ended execution's cgroup may take to empty before it is left.
 CGROUP_REMOVE_TIMEOUT_S: Final = 5.0
-#: Builds of a sandbox before its failure to start is the guest's outcome.
+#: Builds of a sandbox before its failure to start is the launch's error.
 SANDBOX_ATTEMPTS: Final = 2
+#: Builds in all, counting those that failed as a socket they masked
+#: vanished meanwhile (another program unlinked it): those do not count
+#: towards SANDBOX_ATTEMPTS, and the next build masks its folder whole.
+SANDBOX_BUILDS: Final = 6
 #: Tasks a sandboxed guest with a cgroup may have when no --max-procs says
 #: otherwise: forks past it fail (a fork bomb cannot take the host's pids).
 DEFAULT_MAX_TASKS: Final = 4096
@@ -280,7 +284,9 @@ class GuestLauncher:
             tree = self.tracker.track(execution_id, process.pid, limits, on_violation)
             return RunningGuest(execution_id, process, tree, "off", self)
         _check_command(argv, env, Path(cwd) if cwd is not None else Path.cwd())
-        for attempt in range(1, SANDBOX_ATTEMPTS + 1):
+        failures = 0
+        churned: frozenset[Path] = frozenset()
+        for build in range(1, SANDBOX_BUILDS + 1):
             launch = self.sandbox.build(
                 policy,
                 argv=argv,
@@ -293,6 +299,7 @@ class GuestLauncher:
                 tmpfs_size=limits.memory_bytes,
                 # Sampled, a memory limit could not see writes to an overlay.
                 overlay=self.cgroups is not None or limits.memory_bytes is None,
+                mask_whole=churned,
             )
             try:
                 return await self._start_sandboxed(
@@ -307,10 +314,15 @@ class GuestLauncher:
                     ended=ended,
                 )
             except SandboxError as exc:
-                if attempt == SANDBOX_ATTEMPTS:
+                # A socket masked a moment ago may be gone by the time bubblewrap
+                # mounts over it (its owner unlinked it), which bubblewrap cannot
+                # do: build it anew, that socket's folder masked whole.
+                vanished = launch.vanished_socket_folders() - churned
+                if not vanished:  # none, or none it has not tried to mask whole
+                    failures += 1
+                if failures == SANDBOX_ATTEMPTS or build == SANDBOX_BUILDS:
                     raise
-                # A path masked a moment ago (another program's socket) may be
-                # gone by the time bubblewrap mounts over it: build it anew.
+                churned |= vanished
                 logger.warning("the sandbox of %s did not start (%s); again", execution_id, exc)
         raise AssertionError("unreachable")
 

@@ -37,12 +37,12 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from supervisor.sandbox.gate import GO_AHEAD, Gate, Gates, gate_pipe
+from supervisor.sandbox.gate import GATE_REACHED, GO_AHEAD, Gate, Gates, gate_pipe, reached_pipe
 from supervisor.sandbox.layout import Layout
 from supervisor.sandbox.paths import (
     Account,
@@ -115,6 +115,8 @@ class SandboxLaunch:
     #: Host paths shown and masked (for tests and the debug log).
     exposed: tuple[Path, ...] = ()
     masked: tuple[Path, ...] = ()
+    #: Those of :attr:`masked` that are Unix sockets masked one by one.
+    masked_sockets: tuple[Path, ...] = ()
     #: The seccomp filter (``sock_filter`` bytes) for ``--seccomp``, if any.
     seccomp: bytes | None = None
     #: Descriptors the options name (``--bind-fd``): bubblewrap inherits them,
@@ -126,15 +128,27 @@ class SandboxLaunch:
     #: The gate that lets the guest's program run (:mod:`.gate`).
     gate: Gate = _SH_GATE
 
-    def command(self, gate_fd: int) -> list[str]:
+    def command(self, gate_fd: int, reached_fd: int) -> list[str]:
         """What bubblewrap runs: the prefix, the gate reading ``gate_fd`` (a
         second descriptor of the ``--block-fd`` pipe), then the guest.
 
-        The gate runs the guest only once it reads the line of
-        :data:`GO_AHEAD` that follows bubblewrap's byte. At the pipe's end
-        instead (the supervisor died, or gave the start up, before its
-        go-ahead) it exits :data:`GATE_SHUT_EXIT` and nothing of the guest runs."""
-        return [*self.prefix, *self.gate.command(gate_fd), *self.argv]
+        The gate says on ``reached_fd`` that it runs, then runs the guest
+        only once it reads the line of :data:`GO_AHEAD` that follows
+        bubblewrap's byte. At the pipe's end instead (the supervisor died, or
+        gave the start up, before its go-ahead) it exits
+        :data:`GATE_SHUT_EXIT` and nothing of the guest runs."""
+        return [*self.prefix, *self.gate.command(gate_fd, reached_fd), *self.argv]
+
+    def vanished_socket_folders(self) -> frozenset[Path]:
+        """The folders of :attr:`masked_sockets` that are gone now.
+
+        Their owners unlinked them since the masks were chosen. bubblewrap
+        cannot mount over a path that is gone (the guest's ``/`` is
+        read-only, so it cannot make one: "Can't create file at …:
+        Read-only file system"), and no ``--*-try`` option of its skips a
+        missing *destination*; such a start fails, and the next build masks
+        these folders whole (:meth:`SandboxHost.build`, ``mask_whole``)."""
+        return frozenset(p.parent for p in self.masked_sockets if not os.path.lexists(p))
 
     def close_fds(self) -> None:
         """Close :attr:`pass_fds` (once: the caller that owns them)."""
@@ -232,6 +246,7 @@ class SandboxHost:
         trusted: Sequence[Path] = (),
         tmpfs_size: int | None = None,
         overlay: bool = True,
+        mask_whole: Collection[Path] = (),
     ) -> SandboxLaunch:
         """The sandbox of one guest (see :mod:`supervisor.sandbox.layout` for the order).
 
@@ -240,6 +255,9 @@ class SandboxHost:
         no writable path may hold (:func:`policy.trusted_paths`). ``overlay``
         False keeps the launch folder from being the working directory (its
         overlay's writes go to a tmpfs no ``tmpfs_size`` bounds).
+        ``mask_whole``: folders whose bound sockets are masked as one, as a
+        folder of many is (a socket of theirs vanished while an earlier
+        sandbox was built: :meth:`SandboxLaunch.vanished_socket_folders`).
 
         Raises:
             SandboxError: a writable path is unsafe, or a named path is missing
@@ -289,13 +307,18 @@ class SandboxHost:
             for path in policy.read_write:
                 layout.bind(path, writable=True, held=held[path])
             inside_socket = layout.socket(socket)
-            sockets = _socket_masks(
+            shown = [*policy.read_only, *(vetted.get(p, p) for p in policy.read_only)]
+            sockets, whole = _socket_masks(
                 bound_unix_sockets(),
                 channel=socket,
                 writable=[vetted[p] for p in policy.writable],
-                keep=[cwd, *needed],
+                keep=[cwd, *needed, *shown, *(vetted[p] for p in policy.writable)],
+                shown=shown,
+                whole=mask_whole,
             )
             layout.mask([*state_dirs, *hidden, *hide, *sockets])
+            masked = set(layout.masked)
+            one_by_one = [p for p in sockets if p not in whole and p in masked]
             options = [
                 *layout.args,
                 "--chdir",
@@ -315,6 +338,7 @@ class SandboxHost:
                 description=description,
                 exposed=tuple(layout.exposed),
                 masked=tuple(layout.masked),
+                masked_sockets=tuple(one_by_one),
                 seccomp=seccomp,
                 pass_fds=tuple(fd for fd, _ in held.values()),
                 gate_group=self.account.gid if self.root else None,
@@ -479,15 +503,27 @@ def _warn_of_hidden_arguments(argv: Sequence[str], cwd: Path, layout: Layout) ->
 
 
 def _socket_masks(
-    bound: Sequence[Path], *, channel: Path, writable: Sequence[Path], keep: Sequence[Path]
-) -> list[Path]:
-    """What to mask so that the guest cannot connect to a Unix socket of the host.
+    bound: Sequence[Path],
+    *,
+    channel: Path,
+    writable: Sequence[Path],
+    keep: Sequence[Path],
+    shown: Sequence[Path] = (),
+    whole: Collection[Path] = (),
+) -> tuple[list[Path], set[Path]]:
+    """What to mask so that the guest cannot connect to a Unix socket of the
+    host, and which of those masks are folders.
 
     A socket's own path, where it really is (``/var/run`` may lead to ``/run``);
-    a folder that holds many, as one mask (a mask per socket could make the
-    sandbox's options as long as anyone bound sockets), unless the command needs
-    something inside; none in a folder the guest may write anyway. At most
-    :data:`MAX_SOCKET_MASKS`: past that, the rest is left (and logged).
+    a folder that holds many, or one of ``whole`` (where sockets come and go),
+    as one mask (a mask per socket could make the sandbox's options as long as
+    anyone bound sockets), unless something of ``keep`` (what the command
+    needs, the working directory, the plan's paths) is inside it, or it is
+    inside a folder the plan shows whole (``shown``: its ``read_only``); none
+    in a folder the guest may write anyway. At most :data:`MAX_SOCKET_MASKS`:
+    past that, the rest is left (and logged). A program's installation prefix
+    (``/`` for ``/bin/sh`` where ``/bin`` leads to ``/usr/bin``) keeps no folder
+    below it from being masked whole: only what is inside a mask is hidden.
     """
     by_folder: dict[Path, list[Path]] = {}
     for path in bound:
@@ -496,10 +532,12 @@ def _socket_masks(
             continue
         by_folder.setdefault(real.parent, []).append(real)
     masks: list[Path] = []
+    folders: set[Path] = set()
     for folder, paths in by_folder.items():
-        needed = any(is_within(k, folder) or is_within(folder, k) for k in keep)
-        if len(paths) > SOCKETS_PER_FOLDER and not needed:
+        needed = any(is_within(k, folder) for k in keep) or any(is_within(folder, s) for s in shown)
+        if (len(paths) > SOCKETS_PER_FOLDER or folder in whole) and not needed:
             masks.append(folder)
+            folders.add(folder)
         else:
             masks.extend(paths)
     if len(masks) > MAX_SOCKET_MASKS:
@@ -509,7 +547,7 @@ def _socket_masks(
             MAX_SOCKET_MASKS,
         )
         masks = masks[:MAX_SOCKET_MASKS]
-    return masks
+    return masks, folders
 
 
 def _scrubbed(env: Mapping[str, str], state_dirs: Sequence[str], socket: Path) -> dict[str, str]:
@@ -565,9 +603,17 @@ def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
         for with_overlay in (True, False):
             # The gate too, its go-ahead written before: a host where it cannot
             # run fails here rather than every guest with exit status 125.
-            block_r, gate_r, block_w = gate_pipe(account.gid if root else None)
+            reached_r, reached_w = reached_pipe(account.gid if root else None)
+            try:
+                block_r, gate_r, block_w = gate_pipe(account.gid if root else None)
+            except BaseException:
+                os.close(reached_r)
+                os.close(reached_w)
+                raise
             os.write(block_w, GO_AHEAD)  # two bytes into an empty pipe
             os.close(block_w)
+            os.set_blocking(reached_r, False)
+            reached = False
             try:
                 command = [
                     bwrap,
@@ -578,7 +624,7 @@ def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
                     str(block_r),
                     "--",
                     *host.command_prefix(),
-                    *gates.usual.command(gate_r),
+                    *gates.usual.command(gate_r, reached_w),
                     true,
                 ]
                 done = subprocess.run(
@@ -586,18 +632,23 @@ def _probe(euid: int, guest_uid: int | None, bwrap: str) -> SandboxHost:
                     capture_output=True,
                     timeout=PROBE_TIMEOUT_S,
                     check=False,
-                    pass_fds=(block_r, gate_r),
+                    pass_fds=(block_r, gate_r, reached_r, reached_w),
                 )
+                # The gate says it was reached, or every start would fail here.
+                with contextlib.suppress(BlockingIOError):
+                    reached = os.read(reached_r, len(GATE_REACHED)) == GATE_REACHED
             except (OSError, subprocess.TimeoutExpired) as exc:
                 raise SandboxError(
                     f"no sandbox: cannot run {bwrap}: {exc}; {NO_SANDBOX_HINT}"
                 ) from None
             finally:
-                os.close(block_r)
-                os.close(gate_r)
-            if done.returncode == 0:
+                for fd in (block_r, gate_r, reached_r, reached_w):
+                    os.close(fd)
+            if done.returncode == 0 and reached:
                 return dataclasses.replace(host, overlay=with_overlay)
             reason = done.stderr.decode(errors="replace").strip().splitlines()
+            if done.returncode == 0:
+                reason = ["the gate did not say it ran"]
     why = reason[-1] if reason else f"exit status {done.returncode}"
     hint = "" if root else " (unprivileged user namespaces are not allowed here?)"
     raise SandboxError(f"no sandbox: bubblewrap failed: {why}{hint}; {NO_SANDBOX_HINT}")

@@ -7,6 +7,14 @@ that reads a second descriptor of that pipe and ``exec``\\ s the guest only once
 it has read the go-ahead's line; at the pipe's end it exits
 :data:`GATE_SHUT_EXIT` and nothing of the guest runs.
 
+Before it waits for that line, the gate says it has been reached
+(:data:`GATE_REACHED`, on a pipe of its own: :func:`reached_pipe`). bubblewrap
+has then built the whole sandbox — every mount, setpriv, setsid — and what
+fails before that (a masked path gone since, say) is the sandbox's failure,
+not the guest's: bubblewrap exits 1 then, as a guest may. The supervisor
+writes the gate's line only once it has read that line, so no code of the
+guest runs before the start knows which it was.
+
 A shell passes on the environment it is given, but not to the letter
 (docs/sandbox.md, Limits): it sets ``PWD`` to the working directory, bash adds
 ``SHLVL``, and dash drops every variable whose name is not a shell name
@@ -28,13 +36,30 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["GATE_SHUT_EXIT", "GO_AHEAD", "Gate", "Gates", "gate_pipe"]
+__all__ = [
+    "BWRAP_GO_AHEAD",
+    "GATE_GO_AHEAD",
+    "GATE_REACHED",
+    "GATE_SHUT_EXIT",
+    "GO_AHEAD",
+    "Gate",
+    "Gates",
+    "gate_pipe",
+    "reached_pipe",
+]
 
 logger = logging.getLogger(__name__)
 
 #: What the supervisor writes to the block pipe to let a guest run: one byte
 #: for bubblewrap's ``--block-fd``, then one line for the gate.
 GO_AHEAD: Final = b"x\n"
+#: bubblewrap's part of :data:`GO_AHEAD` (``--block-fd`` reads one byte) …
+BWRAP_GO_AHEAD: Final = GO_AHEAD[:1]
+#: … and the gate's: the line after it.
+GATE_GO_AHEAD: Final = GO_AHEAD[1:]
+#: What the gate writes to its :func:`reached_pipe` once it runs, before it
+#: reads its line.
+GATE_REACHED: Final = b"r\n"
 #: The exit status of a gate that found the block pipe ended, not the go-ahead.
 GATE_SHUT_EXIT: Final = 125
 #: How long checking one shell may take.
@@ -59,23 +84,27 @@ class Gate:
     #: Whether it passes on variables whose names are not shell names.
     keeps_any_name: bool = False
 
-    def command(self, fd: int) -> list[str]:
+    def command(self, fd: int, reached_fd: int) -> list[str]:
         """The gate reading the go-ahead from descriptor ``fd``; the guest's
-        argv follows it.
+        argv follows it. First it writes :data:`GATE_REACHED` to
+        ``reached_fd`` (the write end of a :func:`reached_pipe`).
 
         ``$1`` is the gate's own descriptor of the block pipe (bubblewrap
-        closes the one it reads before the command runs). dash takes no
-        descriptor above 9 in a redirection, so the pipe is opened again
-        through ``/proc``; the descriptor stays open in the guest, at the
-        pipe's end. ``unset -f`` first: bash imports functions from the
-        environment, and one named ``read`` would open the gate (``unset``,
+        closes the one it reads before the command runs), ``$2`` the reached
+        pipe's. dash takes no descriptor above 9 in a redirection, so each
+        pipe is opened again through ``/proc``; the descriptors stay open in
+        the guest, the block pipe at its end. ``unset -f`` first: bash
+        imports functions from the environment, and one named ``read`` would
+        open the gate, one named ``echo`` say it was reached (``unset``,
         ``exit``, ``shift`` and ``exec`` are special builtins, which no
         function overrides in a POSIX shell)."""
         script = (
-            f'unset -f read; read -r _ < "/proc/self/fd/$1" || exit {GATE_SHUT_EXIT}; '
-            f"shift; {self.exec_line}"
+            f"unset -f read echo; "
+            f'echo {GATE_REACHED.decode().strip()} > "/proc/self/fd/$2" || exit {GATE_SHUT_EXIT}; '
+            f'read -r _ < "/proc/self/fd/$1" || exit {GATE_SHUT_EXIT}; '
+            f"shift 2; {self.exec_line}"
         )
-        return [*self.shell, "-c", script, "hostcall-gate", str(fd)]
+        return [*self.shell, "-c", script, "hostcall-gate", str(fd), str(reached_fd)]
 
     @classmethod
     def probe(cls, *shell: str) -> Gate | None:
@@ -166,3 +195,26 @@ def gate_pipe(group: int | None) -> tuple[int, int, int]:
         os.close(block_w)
         raise
     return block_r, gate_r, block_w
+
+
+def reached_pipe(group: int | None) -> tuple[int, int]:
+    """The pipe the gate says it was reached on: ``(read, write)``.
+
+    Both ends go into the sandbox: a gate whose supervisor has gone writes
+    into a pipe it still reads itself, rather than die of ``SIGPIPE``, and
+    exits :data:`GATE_SHUT_EXIT` at the block pipe's end as it would have.
+    ``group`` as for :func:`gate_pipe`: the pipe is then the supervisor's,
+    writable by that group only (0220), so that the gate may open it again
+    through ``/proc``, and no other process of the guest's uid may open it
+    to read (and take the gate's byte before the supervisor does).
+    """
+    read, write = os.pipe()
+    try:
+        if group is not None:
+            os.fchown(read, -1, group)
+            os.fchmod(read, 0o220)
+    except BaseException:
+        os.close(read)
+        os.close(write)
+        raise
+    return read, write

@@ -7,6 +7,17 @@ it at once: that is the atomic end of the tree. The command waits (bubblewrap's
 ``--block-fd``, then the gate) until the supervisor has put pid 1 into the
 execution's cgroup and written the go-ahead, so no guest code runs outside it,
 nor at all if the supervisor dies first.
+
+The go-ahead comes in two parts, and the start ends between them: bubblewrap's
+byte lets it go on to the gate, which says it was reached (:mod:`.gate`); only
+then does the gate get its line. bubblewrap builds the sandbox's mounts before
+it reads its byte, and dies (exit 1, its reason on the guest's stderr) when
+one fails — a masked socket unlinked since the masks were chosen. Its exit
+status cannot tell that from a guest's ``exit 1``, nor can ``--info-fd`` or
+``--json-status-fd`` (each written before the mounts, or only once pid 1 has
+ended); the gate's line can, and no code of the guest runs before it is read.
+So such a failure is a :class:`SandboxError` of the start, which the launcher
+may try again, never the guest's exit status.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import json
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, Final, Protocol
@@ -31,7 +43,13 @@ from supervisor.process import (
 )
 from supervisor.reaper import Reaper, pidfd_exited
 from supervisor.sandbox.bwrap import SandboxLaunch
-from supervisor.sandbox.gate import GO_AHEAD, gate_pipe
+from supervisor.sandbox.gate import (
+    BWRAP_GO_AHEAD,
+    GATE_GO_AHEAD,
+    GATE_REACHED,
+    gate_pipe,
+    reached_pipe,
+)
 from supervisor.sandbox.policy import SandboxError
 from supervisor.sandbox.unstarted import holds, never_run, spawned_since, uncancelled
 from supervisor.spawn import GuestProcess, spawn
@@ -138,13 +156,15 @@ async def launch_sandboxed(
     bubblewrap reports the pid of the sandbox's pid 1 (``--info-fd``) before it
     runs anything of the guest, then waits on ``--block-fd``: ``join(pid)``
     (the execution's cgroup) runs in between, so the guest's first instruction
-    already runs inside it. Once ``ended`` is set (its execution ended while
-    bubblewrap built the sandbox), the guest is never let run.
+    already runs inside it. Returns once the gate, with the whole sandbox
+    built, has been given its go-ahead. Once ``ended`` is set (its execution
+    ended while bubblewrap built the sandbox), the guest is never let run.
 
     Raises:
         OSError: bubblewrap could not be started.
-        SandboxError: bubblewrap ended before it reported the sandbox, or
-            ``join`` failed (the sandbox is then killed).
+        SandboxError: bubblewrap ended before it reported the sandbox or
+            before it reached the gate (a mount failed, say), or ``join``
+            failed (the sandbox is then killed).
         StartAbandoned: ``ended`` was set first (the sandbox is then killed).
     """
     made: list[int] = []  # closed here should the start fail before spawning
@@ -170,7 +190,10 @@ async def launch_sandboxed(
         made += [info_r, info_w]
         block_r, gate_r, block_w = gate_pipe(launch.gate_group)
         made += [block_r, gate_r, block_w]
-        ours = [info_r, block_w, *([] if cred_w is None else [cred_w])]
+        reached_r, reached_w = reached_pipe(launch.gate_group)
+        made += [reached_r, reached_w]
+        # reached_r is bubblewrap's too (see reached_pipe), and stays ours.
+        ours = [info_r, block_w, reached_r, *([] if cred_w is None else [cred_w])]
         # The launch's own descriptors (--bind-fd) are theirs too: closed here
         # once bubblewrap has them, or failed to start.
         theirs = [
@@ -178,6 +201,7 @@ async def launch_sandboxed(
             info_w,
             block_r,
             gate_r,
+            reached_w,
             *([] if cred_r is None else [cred_r]),
             *launch.pass_fds,
         ]
@@ -198,12 +222,16 @@ async def launch_sandboxed(
         _write_all(args_r, b"".join(o.encode() + b"\0" for o in options))
         os.lseek(args_r, 0, os.SEEK_SET)
         process = await spawn(
-            [str(launch.program), "--args", str(args_r), "--", *launch.command(gate_r)],
+            [
+                str(launch.program),
+                *("--args", str(args_r), "--"),
+                *launch.command(gate_r, reached_w),
+            ],
             env=env,
             stdin=stdin,
             stdout=stdout,
             stderr=stderr,
-            pass_fds=theirs,
+            pass_fds=[*theirs, reached_r],
         )
     except BaseException:
         for fd in theirs:
@@ -221,6 +249,8 @@ async def launch_sandboxed(
         os.close(fd)
     sandbox: Sandboxed | None = None
     try:
+        # One bound for the whole start: the report, the join, the gate.
+        deadline = time.monotonic() + SANDBOX_START_TIMEOUT_S
         sandbox = _sandbox_from(await _read_to_eof(info_r, SANDBOX_START_TIMEOUT_S))
         if ended is not None and ended.is_set():
             raise StartAbandoned
@@ -238,8 +268,17 @@ async def launch_sandboxed(
             _write_all(cred_w, credential.encode("ascii"))
             os.close(cred_w)
             ours.remove(cred_w)
-        with contextlib.suppress(BrokenPipeError):
-            os.write(block_w, GO_AHEAD)  # the guest may run now
+        try:
+            os.write(block_w, BWRAP_GO_AHEAD)  # bubblewrap may go on to the gate
+        except BrokenPipeError:
+            raise SandboxError(
+                "bubblewrap ended while it built the sandbox (see the guest's stderr)"
+            ) from None
+        await _gate_reached(reached_r, max(0.0, deadline - time.monotonic()))
+        if ended is not None and ended.is_set():
+            raise StartAbandoned
+        with contextlib.suppress(BrokenPipeError):  # the gate died since: it ran nothing
+            os.write(block_w, GATE_GO_AHEAD)  # the guest may run now
     except BaseException as exc:
         # Its pid 1 has no parent-death signal until the guest starts: nothing
         # of it may be left. (The gate never runs the guest on the pipe's end.)
@@ -285,17 +324,45 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+async def _gate_reached(fd: int, timeout_s: float) -> None:
+    """Wait (bounded) until the gate writes :data:`GATE_REACHED` on ``fd``.
+
+    Raises:
+        SandboxError: the pipe ended first (bubblewrap died while it built the
+            sandbox: every holder of the write end is gone), or the time ran out.
+    """
+    said = await _read_pipe(fd, timeout_s, "reach the guest's gate", upto=len(GATE_REACHED))
+    if said != GATE_REACHED:
+        raise SandboxError(
+            "bubblewrap ended while it built the sandbox, before the guest's gate "
+            "(see the guest's stderr)"
+        )
+
+
 async def _read_to_eof(fd: int, timeout_s: float) -> bytes:
-    """Read a pipe to EOF on the event loop, bounded by ``timeout_s``."""
+    """bubblewrap's ``--info-fd`` report, read to its end (bounded)."""
+    return await _read_pipe(fd, timeout_s, "report its sandbox")
+
+
+async def _read_pipe(fd: int, timeout_s: float, what: str, *, upto: int | None = None) -> bytes:
+    """Read a pipe on the event loop to its end, or until it has ``upto``
+    bytes; bounded by ``timeout_s``.
+
+    Raises:
+        SandboxError: the time ran out ("bubblewrap did not ``what``").
+    """
     os.set_blocking(fd, False)
     loop = asyncio.get_running_loop()
-    chunks: list[bytes] = []
+    data = bytearray()
     done: asyncio.Future[None] = loop.create_future()
 
     def readable() -> None:
         try:
-            while chunk := os.read(fd, 4096):
-                chunks.append(chunk)
+            while upto is None or len(data) < upto:
+                chunk = os.read(fd, 4096 if upto is None else upto - len(data))
+                if not chunk:
+                    break
+                data.extend(chunk)
         except BlockingIOError:
             return
         except OSError as exc:
@@ -310,12 +377,10 @@ async def _read_to_eof(fd: int, timeout_s: float) -> bytes:
         async with asyncio.timeout(timeout_s):
             await done
     except TimeoutError:
-        raise SandboxError(
-            f"bubblewrap did not report its sandbox within {timeout_s:g} s"
-        ) from None
+        raise SandboxError(f"bubblewrap did not {what} within {timeout_s:g} s") from None
     finally:
         loop.remove_reader(fd)
-    return b"".join(chunks)
+    return bytes(data)
 
 
 def _sandbox_from(info: bytes) -> Sandboxed:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -18,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.sandbox.gate import GATE_SHUT_EXIT, GO_AHEAD, Gate, Gates
+from supervisor.sandbox.gate import (
+    GATE_GO_AHEAD,
+    GATE_REACHED,
+    GATE_SHUT_EXIT,
+    GO_AHEAD,
+    Gate,
+    Gates,
+)
 from tests.harness import STEP_TIMEOUT_S
 
 #: Names dash drops from the environment and bash keeps.
@@ -50,22 +58,33 @@ def _through(
     gate: Gate, argv: Sequence[str], *, go_ahead: bool, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[bytes]:
     """Run ``argv`` behind ``gate`` with the go-ahead written to its pipe, or
-    the pipe ended without it."""
+    the pipe ended without it (the supervisor gone: then the test's own end
+    of the reached pipe is closed too, as the supervisor's would be)."""
     read, write = os.pipe()
+    reached_r, reached_w = os.pipe()
     try:
         if go_ahead:
             os.write(write, GO_AHEAD)
         os.close(write)
-        return subprocess.run(
-            [*gate.command(read), *argv],
+        with subprocess.Popen(
+            [*gate.command(read, reached_w), *argv],
             env={"PATH": os.defpath} if env is None else env,
-            pass_fds=(read,),
-            capture_output=True,
-            timeout=STEP_TIMEOUT_S,
-            check=False,
-        )
+            pass_fds=(read, reached_r, reached_w),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        ) as gated:
+            if not go_ahead:
+                os.close(reached_r)
+                reached_r = -1
+            stdout, stderr = gated.communicate(timeout=STEP_TIMEOUT_S)
+        if reached_r != -1:
+            os.set_blocking(reached_r, False)
+            assert os.read(reached_r, 16) == GATE_REACHED  # said once, before it ran
+        return subprocess.CompletedProcess(gated.args, gated.returncode, stdout, stderr)
     finally:
-        os.close(read)
+        for fd in (read, reached_r, reached_w):
+            if fd != -1:
+                os.close(fd)
 
 
 @pytest.mark.parametrize("shell", SHELLS, ids=" ".join)
@@ -80,6 +99,38 @@ def test_each_shell_runs_the_guest_only_after_the_go_ahead(shell: tuple[str, ...
     assert (shut.returncode, shut.stdout) == (GATE_SHUT_EXIT, b"")
     assert ran.returncode == 0
     assert b"SECRETLESS=1" in ran.stdout.splitlines()
+
+
+@pytest.mark.parametrize("shell", SHELLS, ids=" ".join)
+def test_each_shell_says_it_reached_the_gate_before_it_waits_for_its_line(
+    shell: tuple[str, ...],
+) -> None:
+    """The start reads the gate's byte before it writes the gate's line:
+    bubblewrap has built the whole sandbox by then, and no code of the guest
+    has run yet."""
+    gate = _gate(shell)
+    read, write = os.pipe()
+    reached_r, reached_w = os.pipe()
+    try:
+        with subprocess.Popen(
+            [*gate.command(read, reached_w), "/bin/echo", "ran"],
+            env={"PATH": os.defpath},
+            pass_fds=(read, reached_w),
+            stdout=subprocess.PIPE,
+        ) as gated:
+            os.close(reached_w)
+            reached_w = -1
+            readable, _, _ = select.select([reached_r], [], [], STEP_TIMEOUT_S)
+            assert readable, "the gate never said it was reached"
+            assert os.read(reached_r, 16) == GATE_REACHED
+            assert gated.poll() is None  # waiting for its line, the guest not run
+            os.write(write, GATE_GO_AHEAD)
+            stdout, _ = gated.communicate(timeout=STEP_TIMEOUT_S)
+        assert (gated.returncode, stdout) == (0, b"ran\n")
+    finally:
+        for fd in (read, write, reached_r, reached_w):
+            if fd != -1:
+                os.close(fd)
 
 
 @pytest.mark.parametrize("shell", SHELLS, ids=" ".join)
