@@ -366,6 +366,11 @@ class Passthrough:
     #: Whether what was last written to a terminal ended mid-line (our
     #: stdout and stderr are mostly one terminal: this is shared).
     _terminal_mid_line: ClassVar[bool] = False
+    #: Held around each write to a terminal and the update of where it
+    #: ended, by the pass-through threads and by hostcall's own lines
+    #: (:meth:`own_line`). A stream that is no terminal has a lock of its
+    #: own: a paused reader of our stdout (a pager) blocks no log line.
+    _terminal_writing: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, buffer: BinaryIO, backlog: int = PASSTHROUGH_BACKLOG) -> None:
         self._buffer = buffer
@@ -384,6 +389,7 @@ class Passthrough:
         except (OSError, ValueError):  # no descriptor (a test's capture buffer)
             escape = False
         self._text = TerminalText() if escape else None
+        self._writing = Passthrough._terminal_writing if escape else threading.Lock()
 
     @classmethod
     def to(cls, stream: IO[str]) -> Passthrough | None:
@@ -410,11 +416,34 @@ class Passthrough:
     def end_guest_line(cls, stream: IO[str]) -> None:
         """Before hostcall prints to ``stream`` itself (once the guests are
         done): end a guest's unfinished line there, as :meth:`say` would."""
+        cls.own_line(stream, None)
+
+    @classmethod
+    def own_line(cls, stream: IO[str], line: str | None) -> None:
+        """Write one line of hostcall's own to ``stream`` now (a log line:
+        it must not wait behind guest output, nor be lost at exit), on a row
+        of its own, as :meth:`say` would; ``None``: only end a guest's
+        unfinished line there."""
         through = cls.to(stream)
-        if through is not None and through._ended_mid_line:
-            with contextlib.suppress(OSError, ValueError):
-                stream.write("\n")
-            through._ended_mid_line = False
+        if through is None:  # no byte stream beneath (a test's capture)
+            if line is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    stream.write(line + "\n")
+                    stream.flush()
+            return
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()  # what was written to it before goes first
+        with through._writing:
+            if line is not None:
+                data = line.encode(errors="backslashreplace") + b"\n"
+                if through._text is not None:
+                    data = escape_controls(data)
+                through._write(data, own=True, dropped=0)  # under the status line too
+            elif through._ended_mid_line:
+                with contextlib.suppress(OSError, ValueError):
+                    stream.write("\n")
+                    stream.flush()
+                through._ended_mid_line = False
 
     def _enqueue(self, data: bytes, *, own: bool) -> None:
         with self._lock:
@@ -442,26 +471,31 @@ class Passthrough:
                 dropped, self._dropped = self._dropped, 0
             if self._text is not None:
                 data = escape_controls(data) if own else self._text.feed(data)
-            if own and self._ended_mid_line:
-                data = b"\n" + data
-            if dropped:
-                data = (
-                    f"\n[hostcall: {dropped} bytes of guest output not shown here: "
-                    "this stream was not being read; the log under the state dir has them]\n"
-                ).encode() + data
-            interposer = Passthrough.interposer
-            with contextlib.suppress(OSError, ValueError):
-                if interposer is None:
+            with self._writing:
+                self._write(data, own, dropped)
+
+    def _write(self, data: bytes, own: bool, dropped: int) -> None:
+        """One write to the stream (under ``_writing``)."""
+        if own and self._ended_mid_line:
+            data = b"\n" + data
+        if dropped:
+            data = (
+                f"\n[hostcall: {dropped} bytes of guest output not shown here: "
+                "this stream was not being read; the log under the state dir has them]\n"
+            ).encode() + data
+        interposer = Passthrough.interposer
+        with contextlib.suppress(OSError, ValueError):
+            if interposer is None:
+                self._buffer.write(data)
+                self._buffer.flush()
+            else:
+                with interposer.lock:
+                    interposer.clear_locked()
                     self._buffer.write(data)
                     self._buffer.flush()
-                else:
-                    with interposer.lock:
-                        interposer.clear_locked()
-                        self._buffer.write(data)
-                        self._buffer.flush()
-                        interposer.wrote_locked(data)
-            if data:
-                self._ended_mid_line = not data.endswith(b"\n")
+                    interposer.wrote_locked(data)
+        if data:
+            self._ended_mid_line = not data.endswith(b"\n")
 
     @property
     def _ended_mid_line(self) -> bool:

@@ -174,8 +174,21 @@ def _log_level(args: argparse.Namespace) -> int:
     return logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 else logging.WARNING
 
 
+class _OwnRows(logging.StreamHandler):  # type: ignore[type-arg]
+    """hostcall's log lines, each on a row of its own, also after a guest's
+    unfinished line on the same terminal (``Passthrough.own_line``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from supervisor.logs import Passthrough
+
+            Passthrough.own_line(self.stream, self.format(record))
+        except Exception:
+            self.handleError(record)
+
+
 def _setup_logging(level: int) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _OwnRows(sys.stderr)
     handler.setFormatter(_OneLine(tracebacks=level <= logging.DEBUG))
     root = logging.getLogger()
     for old in list(root.handlers):

@@ -10,6 +10,7 @@ import pty
 import select
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -87,6 +88,53 @@ def test_a_sandboxed_guest_gets_a_pipe_for_stdin_and_its_escapes_reach_the_termi
     assert b"typed: hello" in text
     assert b"\\x1b]0;owned\\x07\\x1b[2Jfake prompt" in text
     assert b"\x1b]0;owned" not in text and b"\x1b[2J" not in text
+
+
+#: A tool whose handler raises: hostcall logs a WARNING line for it.
+BOOM_PLAN = '[plan]\nname = "tty"\n\n[tools.boom]\nhandler = "boom_tools:boom"\n'
+BOOM_TOOLS = "def boom() -> dict:\n    raise RuntimeError('boom')\n"
+#: Leaves a line unfinished (a bare carriage return), waits until the test has
+#: seen it on the terminal, then makes hostcall log a line.
+BOOM_GUEST = r"""
+import os, sys
+from guest_client import connect
+os.write(2, b"hostcall: call c1 approved by operator, then \r")
+sys.stdin.readline()
+with connect() as client:
+    try:
+        client.call("boom", {}, call_id="c1")
+    except Exception as exc:
+        print("the call:", type(exc).__name__, flush=True)
+"""
+
+
+def test_a_log_line_of_hostcalls_never_shares_a_row_with_a_guests_unfinished_line(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "plan.toml").write_text(BOOM_PLAN)
+    (tmp_path / "boom_tools.py").write_text(BOOM_TOOLS)
+    master, slave = pty.openpty()
+    modes = termios.tcgetattr(slave)
+    modes[3] &= ~termios.ECHO  # what the test types would end the guest's row
+    termios.tcsetattr(slave, termios.TCSANOW, modes)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "run",
+             "--state-dir", str(tmp_path / "state"), "--plan", str(tmp_path / "plan.toml"),
+             "--", sys.executable, "-c", BOOM_GUEST],
+            stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+        )  # fmt: skip
+        os.close(slave)
+        seen = bytearray()
+        _read_until(master, b"approved by operator, then \r", seen)
+        os.write(master, b"go\n")
+        _read_until(master, b" exited with ", seen)
+        assert process.wait(STEP_TIMEOUT_S) == 0
+    finally:
+        os.close(master)
+    rows = bytes(seen).split(b"\n")
+    [warning] = [row for row in rows if b"WARNING" in row]
+    assert b"boom" in warning and b"approved by operator" not in warning, rows
 
 
 def test_bytes_that_are_not_utf8_are_shown_as_text_and_split_characters_kept_whole() -> None:
