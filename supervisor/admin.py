@@ -39,7 +39,7 @@ from supervisor.executions import Execution
 from supervisor.gc import collect
 from supervisor.metrics import CONTENT_TYPE, Metrics
 from supervisor.plan import Plan
-from supervisor.receipt_worker import ReceiptWorker, ReceiptWorkerFailed
+from supervisor.receipt_worker import ReceiptWorker, ReceiptWorkerBusy, ReceiptWorkerFailed
 from supervisor.sockets import reachable_path
 from supervisor.statedir import StateDir
 from supervisor.stores.base import EffectRecord, EffectStore, InvocationRecord, budget_left
@@ -449,6 +449,10 @@ class AdminServer:
         path = self._sup.state.receipts_dir / f"{record.invocation_id}.jsonl"
         try:
             report = await self._receipt_worker.verify(path)
+        except ReceiptWorkerBusy as exc:
+            busy = _error(503, exc.code, exc.message)
+            busy.headers["Retry-After"] = "5"
+            return busy
         except ReceiptWorkerFailed as exc:
             return _error(500, exc.code, exc.message)
         return web.json_response(report)

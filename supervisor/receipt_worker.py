@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -28,12 +29,19 @@ from typing import Any, Final
 
 from supervisor.errors import HostcallError
 
-__all__ = ["ReceiptWorker", "ReceiptWorkerFailed"]
+__all__ = ["ReceiptWorker", "ReceiptWorkerBusy", "ReceiptWorkerFailed"]
+
+logger = logging.getLogger(__name__)
 
 #: The worker's CPU priority, relative to the supervisor's.
 NICENESS: Final = 10
-#: The longest one verification may take before the worker is stopped.
-VERIFY_TIMEOUT_S: Final = 120.0
+#: How long a request waits for its report. Past it the answer is "still
+#: verifying" (503), and the worker goes on: its cache then answers the next
+#: request for that file from where it got to (supervisor.audit.AuditCache).
+ANSWER_WAIT_S: Final = 20.0
+#: The longest the worker may take over one file before it is deemed stuck,
+#: killed (its cache with it) and started again for the next request.
+STUCK_S: Final = 600.0
 #: How long a closing worker may take to end before it is killed.
 STOP_TIMEOUT_S: Final = 2.0
 #: The longest answer read (a report of every line of a forged file).
@@ -48,62 +56,111 @@ _WORKER_MAIN: Final = (
 
 
 class ReceiptWorkerFailed(HostcallError):
-    """The worker could not verify a file (it failed, or took too long)."""
+    """The worker could not verify a file (it failed, or was stuck)."""
 
     code = "internal_error"
+
+
+class ReceiptWorkerBusy(HostcallError):
+    """The file is still being verified (ask again: the worker goes on)."""
+
+    code = "verifying"
 
 
 class ReceiptWorker:
     """Verifies receipt files in a child process (see the module docstring).
 
-    One request at a time; each waits for the one before (bounded by
-    :data:`VERIFY_TIMEOUT_S` each).
+    Files are verified one at a time, in the order asked; a file asked for
+    again while it waits or is being verified shares that verification. A
+    request waits :data:`ANSWER_WAIT_S` at most; the worker :data:`STUCK_S`
+    per file.
     """
 
     def __init__(self, state_dir: Path) -> None:
         self._state_dir = state_dir
         self._process: asyncio.subprocess.Process | None = None
-        self._lock = asyncio.Lock()
+        #: Each file asked for and not yet answered, in the order asked.
+        self._asked: dict[Path, asyncio.Future[dict[str, Any]]] = {}
+        self._wake = asyncio.Event()
+        self._serving: asyncio.Task[None] | None = None
         self._closed = False
 
     async def verify(self, path: Path) -> dict[str, Any]:
         """:func:`supervisor.views.verify_receipts` of ``path``, against the state dir.
 
         Raises:
-            ReceiptWorkerFailed: the worker failed, ended, or took too long.
+            ReceiptWorkerBusy: not done within :data:`ANSWER_WAIT_S` (it goes on).
+            ReceiptWorkerFailed: the worker failed, ended, or was stuck.
         """
-        answer = await self._ask({"op": "verify", "path": str(path)})
-        if not isinstance(answer, dict):
-            raise ReceiptWorkerFailed("the receipt worker's answer is not a report")
-        return answer
+        if self._closed:
+            raise ReceiptWorkerFailed("the supervisor is closing")
+        report = self._asked.get(path)
+        if report is None:
+            report = self._asked[path] = asyncio.get_running_loop().create_future()
+            report.add_done_callback(_retrieved)  # nobody may wait for it any more
+            self._wake.set()
+            if self._serving is None or self._serving.done():
+                self._serving = asyncio.create_task(self._serve())
+        try:
+            async with asyncio.timeout(ANSWER_WAIT_S):
+                return await asyncio.shield(report)
+        except TimeoutError:
+            raise ReceiptWorkerBusy(
+                f"{path.name} is still being verified; ask again (it goes on meanwhile)"
+            ) from None
 
     async def close(self) -> None:
         """End the worker (bounded); no request is served after."""
         self._closed = True
-        async with self._lock:
-            await self._stop()
+        if self._serving is not None:
+            self._serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._serving
+        for report in self._asked.values():
+            if not report.done():
+                report.set_exception(ReceiptWorkerFailed("the supervisor is closing"))
+        self._asked.clear()
+        await self._stop()
 
-    async def _ask(self, request: dict[str, Any]) -> Any:
-        async with self._lock:
-            if self._closed:
-                raise ReceiptWorkerFailed("the supervisor is closing")
-            fresh = self._process is None or self._process.returncode is not None
-            try:
-                line = await self._exchange(request)
-                if not line and not fresh:  # it ended since the last request: once more
-                    await self._stop()
-                    line = await self._exchange(request)
-                answer = json.loads(line)
-            except (TimeoutError, OSError, ValueError) as exc:  # ValueError: over the limit
+    async def _serve(self) -> None:
+        """Verify what is asked, one file at a time, for as long as the worker lives."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._asked:
+                path, report = next(iter(self._asked.items()))
+                try:
+                    answer = await self._ask({"op": "verify", "path": str(path)})
+                except ReceiptWorkerFailed as exc:
+                    report.set_exception(exc)
+                except Exception as exc:  # a bug: fail this file, serve the next
+                    logger.exception("the receipt worker failed on %s", path)
+                    report.set_exception(ReceiptWorkerFailed(f"the receipt worker failed: {exc!r}"))
+                else:
+                    report.set_result(answer)
+                finally:
+                    del self._asked[path]
+
+    async def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        fresh = self._process is None or self._process.returncode is not None
+        try:
+            line = await self._exchange(request)
+            if not line and not fresh:  # it ended since the last request: once more
                 await self._stop()
-                raise ReceiptWorkerFailed(f"the receipt worker failed: {exc!r}") from None
-            except asyncio.CancelledError:
-                self._kill()  # else its answer would be read as the next request's
-                raise
+                line = await self._exchange(request)
+            answer = json.loads(line)
+        except (TimeoutError, OSError, ValueError) as exc:  # ValueError: over the limit
+            await self._stop()
+            raise ReceiptWorkerFailed(f"the receipt worker failed: {exc!r}") from None
+        except asyncio.CancelledError:
+            self._kill()  # closing: its answer is not waited for
+            raise
         if not isinstance(answer, dict) or ("ok" not in answer and "error" not in answer):
             raise ReceiptWorkerFailed("the receipt worker answered something else")
         if "error" in answer:
             raise ReceiptWorkerFailed(f"the receipts cannot be read: {answer['error']}")
+        if not isinstance(answer["ok"], dict):
+            raise ReceiptWorkerFailed("the receipt worker's answer is not a report")
         return answer["ok"]
 
     async def _exchange(self, request: dict[str, Any]) -> bytes:
@@ -111,7 +168,7 @@ class ReceiptWorker:
         process = await self._started()
         assert process.stdin is not None
         assert process.stdout is not None
-        async with asyncio.timeout(VERIFY_TIMEOUT_S):
+        async with asyncio.timeout(STUCK_S):
             try:
                 process.stdin.write(json.dumps(request).encode() + b"\n")
                 await process.stdin.drain()
@@ -162,6 +219,13 @@ class ReceiptWorker:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()  # SIGKILL: at once
+
+
+def _retrieved(report: asyncio.Future[dict[str, Any]]) -> None:
+    """Mark a report's failure as seen: the requests that waited for it may
+    all have been answered "still verifying" and gone."""
+    if not report.cancelled():
+        report.exception()
 
 
 def main(argv: list[str]) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from supervisor import receipt_worker
 from supervisor.console import parse_listen
 from supervisor.metrics import MetricsListener
 from tests.console.conftest import Served
@@ -345,6 +346,21 @@ async def test_an_invocation_of_many_large_calls_is_shown_not_failed(
             view = (response.status, await response.json())
     assert view[0] == 200
     assert [c["args"] for c in view[1]["calls"]] == sent
+
+
+async def test_a_chain_still_being_verified_is_shown_as_such_not_as_the_views_failure(
+    served: Served, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(receipt_worker, "ANSWER_WAIT_S", 0.001)  # under the worker's start
+    plan = billing_plan(ledger)
+    async with driven_guest(served.sup, plan) as guest:
+        await guest.call("c1", "lookup", {"account": "acct_1"})
+    async with served.http.get(f"{served.base}/api/receipts", headers=served.headers()) as r:
+        view = (r.status, await r.json())
+    assert view[0] == 200
+    [report] = view[1]["reports"]
+    assert report["invocation_id"] == guest.execution.invocation_id
+    assert (report["error"]["status"], report["error"]["code"]) == (503, "verifying")
 
 
 async def test_the_receipts_view_tells_an_intact_chain_from_a_tampered_one(

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import psutil
 import pytest
 from aiohttp import web
 
-from supervisor import Supervisor
+from supervisor import Supervisor, receipt_worker
 from supervisor.admin_client import AdminClient, AdminError, AsyncAdminClient
 from supervisor.errors import SupervisorClosing
 from supervisor.guests import GuestLauncher, RunningGuest
@@ -599,6 +600,61 @@ async def test_receipts_are_verified_by_a_lower_priority_worker_that_ends_with_t
     assert second.pid != worker.pid
     assert _ended(second)
     assert _receipt_workers() == []
+
+
+async def test_a_file_slower_to_verify_than_a_request_waits_is_503_and_still_verified(
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A file the worker takes longer over than a request waits used to be
+    # killed with the worker (and its cache) at every try: never verified.
+    # Now the request is told to ask again, and the worker goes on.
+    monkeypatch.setattr(receipt_worker, "ANSWER_WAIT_S", 0.001)  # under the worker's start
+    plan = billing_plan(ledger, max_calls=10)
+    async with Supervisor(tmp_path / "state") as sup:
+        async with driven_guest(sup, plan) as guest:
+            await guest.call("c1", "charge", CHARGE)
+            path = f"/v1/invocations/{guest.execution.invocation_id}/receipts"
+        with pytest.raises(AdminError) as busy:
+            await admin(sup, "GET", path)
+        [worker] = _receipt_workers()
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        statuses = []
+        while True:  # bounded: asked again as the answer says
+            try:
+                report = await admin(sup, "GET", path)
+                break
+            except AdminError as exc:
+                statuses.append(exc.status)
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        workers = [w.pid for w in _receipt_workers()]
+    assert set(statuses) <= {503}
+    assert (busy.value.status, busy.value.code) == (503, "verifying")
+    assert "ask again" in busy.value.message
+    assert workers == [worker.pid]  # the same worker: not killed at the first 503
+    assert isinstance(report, dict) and report["chain_intact"] and report["receipts"] == 1
+
+
+async def test_requests_for_one_file_share_one_verification(
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[dict[str, Any]] = []
+    exchange = receipt_worker.ReceiptWorker._exchange
+
+    async def counted(self: receipt_worker.ReceiptWorker, request: dict[str, Any]) -> bytes:
+        asked.append(request)
+        return await exchange(self, request)
+
+    monkeypatch.setattr(receipt_worker.ReceiptWorker, "_exchange", counted)
+    plan = billing_plan(ledger, max_calls=10)
+    async with Supervisor(tmp_path / "state") as sup:
+        async with driven_guest(sup, plan) as guest:
+            await guest.call("c1", "charge", CHARGE)
+            path = f"/v1/invocations/{guest.execution.invocation_id}/receipts"
+        reports = await asyncio.gather(*(admin(sup, "GET", path) for _ in range(6)))
+    assert all(r == reports[0] for r in reports) and reports[0]["receipts"] == 1  # type: ignore[index]
+    assert 1 <= len(asked) < 6  # the worker starts slower than the six arrive
 
 
 async def test_after_a_restart_an_invocations_activity_is_told_by_its_receipts(

@@ -396,8 +396,12 @@ function tickLeases() {
 function receiptsView() {
   const data = state.receipts;
   if (!data) return el("p", { class: "empty" }, "Verifying…");
-  const rows = data.reports.map((r) => el("tr", { "data-invocation": r.invocation_id },
-    el("td", { class: "mono" }, el("a", { href: `#invocation/${encodeURIComponent(r.invocation_id)}` }, r.invocation_id)),
+  const link = (r) => el("td", { class: "mono" }, el("a", { href: `#invocation/${encodeURIComponent(r.invocation_id)}` }, r.invocation_id));
+  const rows = data.reports.map((r) => r.error ? el("tr", { "data-invocation": r.invocation_id },
+    link(r),
+    el("td", {}, "—"),
+    el("td", { colspan: 3 }, chip(r.error.status === 503 ? "still verifying" : "not verified", r.error.status === 503 ? "" : "bad"), " ", el("span", { class: "muted" }, inert(r.error.message)))) : el("tr", { "data-invocation": r.invocation_id },
+    link(r),
     el("td", {}, String(r.receipts)),
     el("td", {}, r.exists ? chip(r.chain_intact ? "intact" : "broken", r.chain_intact ? "ok" : "bad") : el("span", { class: "muted" }, "no file yet")),
     el("td", {}, r.checked_against ? chip(r.ok ? "agree" : "disagree", r.ok ? "ok" : "bad") : el("span", { class: "muted" }, "chain only")),
