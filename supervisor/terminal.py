@@ -73,6 +73,11 @@ class TerminalText:
         self._held = data[whole:]
         return escape_controls(data[:whole])
 
+    def end(self) -> bytes:
+        """What is held back, escaped (the stream has ended there)."""
+        held, self._held = self._held, b""
+        return escape_controls(held)
+
 
 def _unfinished_tail(data: bytes) -> int:
     """How many bytes at the end of ``data`` start a UTF-8 character that

@@ -291,10 +291,21 @@ def logs(args: argparse.Namespace) -> int:
         print(f"hostcall logs: no logs of {args.invocation} in {state_dir}", file=sys.stderr)
         return EXIT_FAILED
     out = sys.stdout.buffer
-    # Guest output on a terminal: its escapes shown as text, as the pass-through does.
-    shown_raw = not sys.stdout.isatty()
+    # Guest output on a terminal: its escapes shown as text, as the pass-through
+    # does, a character split between two reads kept whole (one per file).
+    from supervisor.terminal import TerminalText
+
+    texts: dict[Path, TerminalText] | None = None if not sys.stdout.isatty() else {}
     offsets: dict[Path, int] = {}
     shown: Path | None = None
+    mid_line = False  # what was last written ended inside a line
+
+    def write(data: bytes) -> None:
+        nonlocal mid_line
+        if data:
+            out.write(data)
+            out.flush()
+            mid_line = not data.endswith(b"\n")
 
     def show_new() -> None:
         nonlocal shown
@@ -309,18 +320,20 @@ def logs(args: argparse.Namespace) -> int:
                 continue
             offsets[path] = offsets.get(path, 0) + len(data)
             if path != shown:
-                out.write(f"==> {path.name} <==\n".encode())
+                write(b"\n" if mid_line else b"")  # a line of one file is not the next's
+                write(f"==> {path.name} <==\n".encode())
                 shown = path
-            if not shown_raw:
-                from supervisor.terminal import escape_controls
+            write(data if texts is None else texts.setdefault(path, TerminalText()).feed(data))
 
-                data = escape_controls(data)
-            out.write(data if data.endswith(b"\n") else data + b"\n")
-            out.flush()
+    def end() -> int:
+        for text in (texts or {}).values():
+            write(text.end())
+        write(b"\n" if mid_line else b"")
+        return 0
 
     show_new()
     if not args.follow:
-        return 0
+        return end()
     last_check = 0.0
     try:
         while True:
@@ -331,9 +344,9 @@ def logs(args: argparse.Namespace) -> int:
                 last_check = now
                 if not _still_running(state_dir, args.invocation):
                     show_new()
-                    return 0
+                    return end()
     except KeyboardInterrupt:
-        return 0
+        return end()
 
 
 # -- cancel, revoke, launch ------------------------------------------------------

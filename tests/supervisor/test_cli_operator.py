@@ -535,6 +535,52 @@ def test_logs_follow_prints_as_the_guest_writes_and_ends_with_its_invocation(
     assert follow.returncode == 0
 
 
+def _read_pty_until(controller: int, needle: bytes, seen: bytearray) -> None:
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while needle not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {needle!r} in {bytes(seen)!r}"
+        if select.select([controller], [], [], left)[0]:
+            seen += os.read(controller, 65536)
+
+
+def test_logs_follow_on_a_terminal_keeps_a_character_and_a_line_split_between_writes_whole(
+    tmp_path: Path, plan_file: Path
+) -> None:
+    state = tmp_path / "st"
+    guest = (
+        "import os, sys; os.write(1, b'ready\\n'); os.write(1, b'one caf\\xc3');"
+        " sys.stdin.readline(); os.write(1, b'\\xa9 two\\n')"
+    )
+    with running(
+        "run", "--state-dir", str(state), "--plan", str(plan_file), "--invocation", "inv_t",
+        "--", sys.executable, "-c", guest, stdin=subprocess.PIPE,
+    ) as run:  # fmt: skip
+        assert read_line(run.stdout).strip() == "ready"
+        controller, terminal = pty.openpty()
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "logs", "inv_t", "--follow", "--state-dir",
+             str(state), "--stream", "stdout"],
+            stdin=subprocess.DEVNULL, stdout=terminal, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        os.close(terminal)
+        seen = bytearray()
+        try:
+            _read_pty_until(controller, b"one caf", seen)
+            assert run.stdin is not None
+            run.stdin.write("\n")
+            run.stdin.close()
+            _read_pty_until(controller, b"two", seen)
+            follow.wait(timeout=STEP_TIMEOUT_S)  # the invocation ended: so does --follow
+        finally:
+            if follow.poll() is None:
+                follow.kill()
+                follow.wait()
+            os.close(controller)
+    assert follow.returncode == 0
+    assert "one caf\u00e9 two".encode() in seen, bytes(seen)  # before: caf\xc3, then a new line
+
+
 def test_gc_deletes_logs_and_forgets_records_only_past_their_deadline(
     tmp_path: Path, plan_file: Path
 ) -> None:
