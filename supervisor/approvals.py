@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import io
 import json
 import logging
 import time
@@ -68,6 +69,7 @@ ENDED_KEPT_BYTES: Final = 32 * 1024 * 1024
 ARGS_LISTED_BYTES: Final = 16 * 1024
 #: Characters of the JSON text such a preview shows.
 ARGS_PREVIEW_CHARS: Final = 2048
+_PREVIEW_ENCODER: Final = json.JSONEncoder(ensure_ascii=False, indent=2)
 #: Rejected calls remembered, so that a retry is not asked again (F41).
 REJECTED_KEPT: Final = 10_000
 
@@ -205,8 +207,18 @@ class Proposal:
     def _listed(self) -> dict[str, Any]:
         if self.args_size <= ARGS_LISTED_BYTES:
             return {"args_bytes": self.args_size}
-        text = json.dumps(self.args, ensure_ascii=False, indent=2)[:ARGS_PREVIEW_CHARS]
-        return {"args": None, "args_bytes": self.args_size, "args_preview": text}
+        return {"args": None, "args_bytes": self.args_size, "args_preview": self._args_preview}
+
+    @functools.cached_property
+    def _args_preview(self) -> str:
+        """The start of the arguments' indented JSON, encoded only as far as
+        it shows: indented whole, a megabyte nested deep is hundreds."""
+        text = io.StringIO()
+        for piece in _PREVIEW_ENCODER.iterencode(self.args):
+            text.write(piece)
+            if text.tell() >= ARGS_PREVIEW_CHARS:
+                break
+        return text.getvalue()[:ARGS_PREVIEW_CHARS]
 
 
 class ApprovalTicket(Protocol):

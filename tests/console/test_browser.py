@@ -246,27 +246,36 @@ async def test_characters_that_hide_text_are_shown_as_escapes_to_the_deciding_op
     assert ledger.runs["charge"] == 0
 
 
-async def test_large_arguments_are_previewed_and_shown_whole_at_a_click_with_hidden_text_escaped(
+async def test_large_arguments_are_shown_whole_to_approve_and_an_ended_ones_at_a_click(
     served: Served, ledger: Ledger, page: Any
 ) -> None:
+    # The overview lists arguments over 16 KiB as a preview (F46); a waiting
+    # call is decided on its arguments whole (SPEC §14), an ended one's are
+    # loaded on a click. Hidden characters are escaped in both.
     plan = billing_plan(ledger, require_approval_for_irreversible=True)
     args = {"account": "acct_" + "7" * 40_000 + HIDDEN, "cents": 1}
     async with driven_guest(served.sup, plan) as guest:
         await page.goto(url(served, "approvals"))
         call = asyncio.ensure_future(guest.call("c1", "charge", args))
         card = await waiting_card(page)
-        previewed = await card.locator("pre.args").inner_text()
-        await card.get_by_role("button", name="Show all").click()
         whole = card.locator("pre.args", has_text="cents")
-        await whole.wait_for()
+        await whole.wait_for()  # loaded with no click
         shown = await whole.inner_text()
-        buttons = await card.locator("button.whole-args").count()
+        approvable = await card.get_by_role("button", name="Approve").is_enabled()
         served.sup.approvals.reject(served.sup.approvals.list("waiting")[0].id, reason="test")
         await call
-    assert previewed.startswith('{\n  "account": "acct_777') and previewed.endswith("…")
-    assert len(previewed) < 2100 and "cents" not in previewed
+        await page.reload()  # what this page loaded is gone: the ended card's preview
+        ended = page.locator('[data-proposal][data-state="rejected"]')
+        await ended.wait_for()
+        previewed = await ended.locator("pre.args").inner_text()
+        await ended.get_by_role("button", name="Show all").click()
+        await ended.locator("pre.args", has_text="cents").wait_for()
+        buttons = await ended.locator("button.whole-args").count()
     assert "7" * 40_000 + "acct_9\\u202e0001" in shown  # whole, hidden text escaped
     assert not [c for c in HIDDEN if not c.isascii() and c in shown]
+    assert approvable
+    assert previewed.startswith('{\n  "account": "acct_777') and previewed.endswith("…")
+    assert len(previewed) < 2100 and "cents" not in previewed
     assert buttons == 0
     assert ledger.runs["charge"] == 0
 

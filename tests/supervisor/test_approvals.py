@@ -513,3 +513,10 @@ async def test_a_list_previews_large_arguments_and_a_proposal_has_them_whole() -
     assert first["args_preview"] == json.dumps(large, ensure_ascii=False, indent=2)[:2048]
     assert (second["args"], second["args_bytes"], "args_preview" in second) == (small, 7, False)
     assert approvals.list()[0].to_json()["args"] == large  # not previewed unless asked
+    # Deeply nested: indented whole it would be 200 × its size; only the start is encoded.
+    deep: Any = [0] * 10_000
+    for _ in range(200):
+        deep = [deep]
+    await approvals.request(ProposalRequest(INV, "exe_1", "c3", "pay", {"d": deep}, "k3", 60))
+    shown = approvals.list()[-1].to_json(preview=True)["args_preview"]
+    assert shown == json.dumps({"d": deep}, indent=2)[:2048]

@@ -315,6 +315,8 @@ function approvalsView() {
     if ((a.state === "waiting") !== (b.state === "waiting")) return a.state === "waiting" ? -1 : 1;
     return a.state === "waiting" ? (a.created_at < b.created_at ? -1 : 1) : (a.created_at < b.created_at ? 1 : -1);
   });
+  const listed = new Set(proposals.map((p) => p.id));
+  for (const id of Object.keys(wholeArgs)) if (!listed.has(id)) delete wholeArgs[id];
   const cards = proposals.map((p) => proposalCard(p, invocations[p.invocation_id]));
   return el("section", {},
     el("h2", {}, "Approvals"),
@@ -353,8 +355,11 @@ function proposalCard(p, invocation) {
       reason.blur();
       want("overview");
     };
+    // An operator approves what they have seen whole (SPEC §14): a call
+    // whose arguments were listed as a preview is approved once they are loaded.
+    const unseen = previewed(p) && !(p.id in wholeArgs);
     actions.push(el("div", { class: "actions" },
-      el("button", { class: "approve", onclick: decide("approve") }, "Approve"),
+      el("button", { class: "approve", onclick: decide("approve"), disabled: unseen, title: unseen ? "loading the full arguments" : null }, "Approve"),
       reason,
       el("button", { class: "reject", onclick: decide("reject") }, "Reject")));
   }
@@ -367,18 +372,26 @@ function proposalCard(p, invocation) {
 // The overview lists arguments over 16 KiB as the start of their JSON text
 // (args null, args_preview): a guest's megabyte calls cannot make the list too
 // long to load. The whole comes from the proposal itself, on a click.
+// A waiting call's are loaded at once (it is decided on them), an ended one's on a click.
+function previewed(p) { return p.args === null && typeof p.args_preview === "string"; }
+const loadingArgs = new Set();
+async function loadWholeArgs(id) {
+  if (loadingArgs.has(id)) return;
+  loadingArgs.add(id);
+  try {
+    wholeArgs[id] = (await api(`/api/approvals/${encodeURIComponent(id)}`)).args;
+  } catch (error) {
+    notes[id] = `could not load the arguments: ${error.message}`;
+  } finally {
+    loadingArgs.delete(id);
+  }
+  render();
+}
 function argsView(p) {
-  if (p.args !== null || typeof p.args_preview !== "string") return el("pre", { class: "args" }, pretty(p.args));
+  if (!previewed(p)) return el("pre", { class: "args" }, pretty(p.args));
   if (p.id in wholeArgs) return el("pre", { class: "args" }, pretty(wholeArgs[p.id]));
-  const showAll = async (event) => {
-    event.target.disabled = true;
-    try {
-      wholeArgs[p.id] = (await api(`/api/approvals/${encodeURIComponent(p.id)}`)).args;
-    } catch (error) {
-      notes[p.id] = `could not load the arguments: ${error.message}`;
-    }
-    render();
-  };
+  if (p.state === "waiting" && !notes[p.id]) loadWholeArgs(p.id);
+  const showAll = (event) => { event.target.disabled = true; delete notes[p.id]; loadWholeArgs(p.id); };
   return [
     el("pre", { class: "args preview" }, `${visible(p.args_preview)}\n…`),
     el("button", { class: "whole-args", onclick: showAll }, `Show all ${p.args_bytes} bytes`),
