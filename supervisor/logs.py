@@ -331,6 +331,9 @@ async def pump(
 
 #: Guest output waiting for a slow reader of our own stream before more is dropped.
 PASSTHROUGH_BACKLOG: Final = 4 * 1024 * 1024
+#: How long hostcall's own line (a log line) waits for its stream, busy with
+#: guest output, before it is queued behind that output instead.
+OWN_LINE_WAIT_S: Final = 0.02
 #: How long a finished pump waits for its output to reach our stream.
 PASSTHROUGH_DRAIN_S: Final = 5.0
 
@@ -410,7 +413,7 @@ class Passthrough:
         """Queue one line of hostcall's own; never blocks. It starts a row of
         its own: after a guest's unfinished line (a bare ``\\r`` too), a
         newline comes first, so guest text never shares hostcall's row."""
-        self._enqueue(line.encode() + b"\n", own=True)
+        self._enqueue(line.encode(errors="backslashreplace") + b"\n", own=True)
 
     @classmethod
     def end_guest_line(cls, stream: IO[str]) -> None:
@@ -420,10 +423,15 @@ class Passthrough:
 
     @classmethod
     def own_line(cls, stream: IO[str], line: str | None) -> None:
-        """Write one line of hostcall's own to ``stream`` now (a log line:
-        it must not wait behind guest output, nor be lost at exit), on a row
-        of its own, as :meth:`say` would; ``None``: only end a guest's
-        unfinished line there."""
+        """Write one line of hostcall's own to ``stream`` (a log line), on a
+        row of its own, as :meth:`say` would; ``None``: only end a guest's
+        unfinished line there.
+
+        At once, so that it is not lost at exit, when the stream is free
+        within :data:`OWN_LINE_WAIT_S`; else (its pass-through is writing a
+        backlog of guest output to a slow reader) queued behind that output,
+        as :meth:`say` queues: the event loop, which logs, never waits longer.
+        """
         through = cls.to(stream)
         if through is None:  # no byte stream beneath (a test's capture)
             if line is not None:
@@ -431,9 +439,15 @@ class Passthrough:
                     stream.write(line + "\n")
                     stream.flush()
             return
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()  # what was written to it before goes first
-        with through._writing:
+        if not through._writing.acquire(timeout=OWN_LINE_WAIT_S):
+            if line is not None:
+                through.say(line)
+            return
+        try:
+            with contextlib.suppress(OSError, ValueError):
+                # What was written to it before goes first. Only now: while
+                # the pass-through writes, its buffer's lock is taken.
+                stream.flush()
             if line is not None:
                 data = line.encode(errors="backslashreplace") + b"\n"
                 if through._text is not None:
@@ -444,6 +458,8 @@ class Passthrough:
                     stream.write("\n")
                     stream.flush()
                 through._ended_mid_line = False
+        finally:
+            through._writing.release()
 
     def _enqueue(self, data: bytes, *, own: bool) -> None:
         with self._lock:

@@ -9,6 +9,8 @@ import os
 import resource
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from supervisor.logs import (
     CappedStream,
     GuestLog,
     OutputBudget,
+    Passthrough,
     Redactor,
     allow,
     pump,
@@ -353,3 +356,29 @@ async def test_a_log_folder_and_file_left_with_looser_modes_are_made_private(
     assert run.log() == b"earlier\n" + b"x" * 10  # appended, not truncated
     assert run.logs["stdout"].stat().st_mode & 0o777 == 0o600
     assert folder.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_log_line_never_waits_for_a_reader_that_stopped_reading_and_is_not_lost() -> None:
+    """Log lines are written from the event loop. While the pass-through is
+    stuck writing guest output to a reader that stopped (a full pipe), a log
+    line is queued behind that output rather than wait for the reader."""
+    read_end, write_end = os.pipe()
+    stream = os.fdopen(write_end, "w")
+    got = bytearray()
+    try:
+        through = Passthrough.to(stream)
+        assert through is not None
+        through.write(b"g" * (1 * MiB))  # the pipe holds 64 KiB: its writer blocks
+        said = threading.Thread(target=Passthrough.own_line, args=(stream, "hostcall: WARNING x"))
+        said.start()
+        said.join(STEP_TIMEOUT_S)
+        returned = not said.is_alive()  # before anyone read the pipe
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not got.endswith(b"WARNING x\n") and time.monotonic() < deadline:
+            got += os.read(read_end, 1 * MiB)
+    finally:
+        os.close(read_end)
+        with contextlib.suppress(OSError):
+            stream.close()
+    assert returned
+    assert got == b"g" * MiB + b"\nhostcall: WARNING x\n"  # after the output, on a row of its own
