@@ -71,7 +71,8 @@ class ReceiptWorker:
     """Verifies receipt files in a child process (see the module docstring).
 
     Files are verified one at a time, in the order asked; a file asked for
-    again while it waits or is being verified shares that verification. A
+    again while it waits shares that verification (once it is being
+    verified, the next one: the file may have grown since it started). A
     request waits :data:`ANSWER_WAIT_S` at most; the worker :data:`STUCK_S`
     per file.
     """
@@ -128,18 +129,22 @@ class ReceiptWorker:
             await self._wake.wait()
             self._wake.clear()
             while self._asked:
-                path, report = next(iter(self._asked.items()))
+                # Taken out as it starts: a request from now on waits for the
+                # next verification, which reads what was written since.
+                path = next(iter(self._asked))
+                report = self._asked.pop(path)
                 try:
                     answer = await self._ask({"op": "verify", "path": str(path)})
                 except ReceiptWorkerFailed as exc:
                     report.set_exception(exc)
+                except asyncio.CancelledError:  # closing
+                    report.set_exception(ReceiptWorkerFailed("the supervisor is closing"))
+                    raise
                 except Exception as exc:  # a bug: fail this file, serve the next
                     logger.exception("the receipt worker failed on %s", path)
                     report.set_exception(ReceiptWorkerFailed(f"the receipt worker failed: {exc!r}"))
                 else:
                     report.set_result(answer)
-                finally:
-                    del self._asked[path]
 
     async def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         fresh = self._process is None or self._process.returncode is not None
