@@ -317,7 +317,7 @@ class GuestLauncher:
                 # A socket masked a moment ago may be gone by the time bubblewrap
                 # mounts over it (its owner unlinked it), which bubblewrap cannot
                 # do: build it anew, that socket's folder masked whole.
-                vanished = launch.vanished_socket_folders() - churned
+                vanished = launch.vanished_socket_folders(str(exc)) - churned
                 if not vanished:  # none, or none it has not tried to mask whole
                     failures += 1
                 if failures == SANDBOX_ATTEMPTS or build == SANDBOX_BUILDS:

@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -71,6 +72,8 @@ DEFAULT_GUEST_UID: Final = 65534
 PROBE_TIMEOUT_S: Final = 10.0
 #: A folder with more bound Unix sockets than this is masked whole.
 SOCKETS_PER_FOLDER: Final = 8
+#: What bubblewrap says when a mount's destination is gone (its path in group 1).
+_CANNOT_CREATE: Final = re.compile(r"Can't create file at (/[^:\n]*): ")
 #: The most Unix-socket masks one sandbox gets.
 MAX_SOCKET_MASKS: Final = 256
 NO_SANDBOX_HINT: Final = "run with --no-sandbox to start guests without one (they are then trusted)"
@@ -139,8 +142,10 @@ class SandboxLaunch:
         :data:`GATE_SHUT_EXIT` and nothing of the guest runs."""
         return [*self.prefix, *self.gate.command(gate_fd, reached_fd), *self.argv]
 
-    def vanished_socket_folders(self) -> frozenset[Path]:
-        """The folders of :attr:`masked_sockets` that are gone now.
+    def vanished_socket_folders(self, error: str = "") -> frozenset[Path]:
+        """The folders of :attr:`masked_sockets` that are gone now, or that
+        bubblewrap's ``error`` names (a program that unlinked its socket and
+        bound it again: the path is back, but bubblewrap met it gone).
 
         Their owners unlinked them since the masks were chosen. bubblewrap
         cannot mount over a path that is gone (the guest's ``/`` is
@@ -148,7 +153,10 @@ class SandboxLaunch:
         Read-only file system"), and no ``--*-try`` option of its skips a
         missing *destination*; such a start fails, and the next build masks
         these folders whole (:meth:`SandboxHost.build`, ``mask_whole``)."""
-        return frozenset(p.parent for p in self.masked_sockets if not os.path.lexists(p))
+        named = {Path(m) for m in _CANNOT_CREATE.findall(error)}
+        return frozenset(
+            p.parent for p in self.masked_sockets if p in named or not os.path.lexists(p)
+        )
 
     def close_fds(self) -> None:
         """Close :attr:`pass_fds` (once: the caller that owns them)."""

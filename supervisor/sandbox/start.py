@@ -372,6 +372,10 @@ async def _read_pipe(fd: int, timeout_s: float, what: str, *, upto: int | None =
         if not done.done():
             done.set_result(None)
 
+    readable()  # what is there already counts, however little time is left
+    if done.done():
+        await done
+        return bytes(data)
     loop.add_reader(fd, readable)
     try:
         async with asyncio.timeout(timeout_s):

@@ -222,3 +222,37 @@ async def test_a_folder_masked_whole_after_churn_still_shows_what_the_plan_needs
 
     assert shown[0] == (True, "")  # the folder masked whole: nothing of it
     assert shown[1] == (False, "hello\nother-seen\n")  # one by one: the socket alone
+
+
+def test_a_masked_socket_bound_again_at_its_path_counts_as_vanished(
+    tmp_path: Path, churn_folder: Path
+) -> None:
+    """A program that restarts unlinks its socket and binds it again: by the
+    time the launch looks, the path is there, but bubblewrap may have met it
+    gone. It is told by its inode."""
+    host = SandboxHost.probe()
+    with socket.socket(socket.AF_UNIX) as channel:
+        channel.bind(str(tmp_path / "channel.sock"))
+        restarting = socket.socket(socket.AF_UNIX)
+        restarting.bind(str(churn_folder / "daemon.sock"))
+        launch = host.build(
+            SandboxPolicy(),
+            argv=["/bin/true"],
+            env={"PATH": os.defpath},
+            cwd=Path("/"),
+            state_dir=tmp_path / "state",
+            socket=tmp_path / "channel.sock",
+        )
+        restarting.close()
+        os.unlink(churn_folder / "daemon.sock")  # the program restarts …
+        error = ""
+        try:
+            asyncio.run(launch_sandboxed(launch, credential="x" * 43, stderr=subprocess.PIPE))
+        except SandboxError as exc:
+            error = str(exc)
+        launch.close_fds()
+        with socket.socket(socket.AF_UNIX) as again:  # … and is back when the launch looks
+            again.bind(str(churn_folder / "daemon.sock"))
+            found = (launch.vanished_socket_folders(), launch.vanished_socket_folders(error))
+    assert f"Can't create file at {churn_folder}/daemon.sock" in error  # bubblewrap met it gone
+    assert found == (frozenset(), frozenset({churn_folder}))  # the path is back: told by the error
