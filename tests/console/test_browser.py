@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from supervisor import Plan, tool
 from tests.console.conftest import Served
 from tests.harness import STEP_TIMEOUT_S, Ledger, billing_plan, driven_guest
 
@@ -278,6 +279,33 @@ async def test_large_arguments_are_shown_whole_to_approve_and_an_ended_ones_at_a
     assert len(previewed) < 2100 and "cents" not in previewed
     assert buttons == 0
     assert ledger.runs["charge"] == 0
+
+
+async def test_arguments_nested_deep_are_shown_whole_with_bounded_indentation(
+    served: Served, page: Any
+) -> None:
+    # Indented whole, arguments nested 200 deep are 200 times their size: a
+    # megabyte of them froze the page. Levels past the eighth stay compact.
+    @tool(reversibility="irreversible")
+    def store(doc: list[Any]) -> int:
+        return len(doc)
+
+    plan = Plan([store], name="deep", require_approval_for_irreversible=True)
+    doc: Any = [0] * 9_000
+    for _ in range(200):
+        doc = [doc]
+    async with driven_guest(served.sup, plan) as guest:
+        await page.goto(url(served, "approvals"))
+        call = asyncio.ensure_future(guest.call("c1", "store", {"doc": doc}))
+        card = await waiting_card(page)
+        whole = card.locator("pre.args", has_text="0,0,0,0]")
+        await whole.wait_for()  # loaded whole, with no click
+        shown = await whole.inner_text()
+        served.sup.approvals.reject(served.sup.approvals.list("waiting")[0].id, reason="test")
+        await call
+    assert shown.startswith('{\n  "doc": [\n    [\n      [')
+    assert "[" * 190 + ",".join(["0"] * 9_000) + "]" * 190 in shown  # compact past level 8
+    assert len(shown) < 30_000  # indented whole: some 3.6 million characters
 
 
 async def test_the_page_without_its_token_is_refused(served: Served, page: Any) -> None:

@@ -43,7 +43,20 @@ function unitEscapes(char) {
   for (let i = 0; i < char.length; i++) escaped += "\\u" + char.charCodeAt(i).toString(16).padStart(4, "0");
   return escaped;
 }
-function pretty(value) { return visible(JSON.stringify(value, null, 2)); }
+// Indented as JSON.stringify(value, null, 2) does, but only the first
+// INDENT_LEVELS levels: deeper ones stay compact. Indented whole, a megabyte
+// nested 250 deep is some 260 million characters (a guest's arguments).
+const INDENT_LEVELS = 8;
+function indented(value, depth) {
+  if (value === null || typeof value !== "object" || depth >= INDENT_LEVELS) return JSON.stringify(value);
+  const pad = "  ".repeat(depth + 1);
+  const items = Array.isArray(value)
+    ? value.map((item) => pad + indented(item, depth + 1))
+    : Object.keys(value).map((key) => `${pad}${JSON.stringify(key)}: ${indented(value[key], depth + 1)}`);
+  const [open, close] = Array.isArray(value) ? ["[", "]"] : ["{", "}"];
+  return items.length ? `${open}\n${items.join(",\n")}\n${"  ".repeat(depth)}${close}` : open + close;
+}
+function pretty(value) { return visible(indented(value, 0)); }
 function visible(json) { return json.replace(UNSEEN, (char) => (char === "\n" ? char : unitEscapes(char))); }
 // Other text a guest chose (a tool name it made up, refused but recorded), the same way.
 function inert(text) { return String(text ?? "").replace(UNSEEN, unitEscapes); }
@@ -78,7 +91,7 @@ async function api(path, options) {
 
 const state = { overview: null, invocation: null, receipts: null, metrics: null, error: null };
 const notes = {}; // proposal id -> message after a decision
-const wholeArgs = {}; // proposal id -> its arguments, asked for whole (the overview previews large ones)
+const wholeArgs = {}; // proposal id -> its arguments asked for whole (the overview previews large ones), as shown
 
 function route() {
   const hash = location.hash.replace(/^#/, "") || "invocations";
@@ -359,7 +372,7 @@ function proposalCard(p, invocation) {
     // whose arguments were listed as a preview is approved once they are loaded.
     const unseen = previewed(p) && !(p.id in wholeArgs);
     actions.push(el("div", { class: "actions" },
-      el("button", { class: "approve", onclick: decide("approve"), disabled: unseen, title: unseen ? "loading the full arguments" : null }, "Approve"),
+      el("button", { class: "approve", onclick: decide("approve"), disabled: unseen, title: unseen ? (notes[p.id] ? "the full arguments did not load: Show all tries again" : "loading the full arguments") : null }, "Approve"),
       reason,
       el("button", { class: "reject", onclick: decide("reject") }, "Reject")));
   }
@@ -379,7 +392,7 @@ async function loadWholeArgs(id) {
   if (loadingArgs.has(id)) return;
   loadingArgs.add(id);
   try {
-    wholeArgs[id] = (await api(`/api/approvals/${encodeURIComponent(id)}`)).args;
+    wholeArgs[id] = pretty((await api(`/api/approvals/${encodeURIComponent(id)}`)).args);  // once
   } catch (error) {
     notes[id] = `could not load the arguments: ${error.message}`;
   } finally {
@@ -389,7 +402,7 @@ async function loadWholeArgs(id) {
 }
 function argsView(p) {
   if (!previewed(p)) return el("pre", { class: "args" }, pretty(p.args));
-  if (p.id in wholeArgs) return el("pre", { class: "args" }, pretty(wholeArgs[p.id]));
+  if (p.id in wholeArgs) return el("pre", { class: "args" }, wholeArgs[p.id]);
   if (p.state === "waiting" && !notes[p.id]) loadWholeArgs(p.id);
   const showAll = (event) => { event.target.disabled = true; delete notes[p.id]; loadWholeArgs(p.id); };
   return [
