@@ -382,6 +382,9 @@ class Passthrough:
         self._mid_line = False
         self._queued = 0
         self._dropped = 0
+        #: Lines of hostcall's own queued and not yet written: while there
+        #: are, :meth:`own_line` queues its line too (in order behind them).
+        self._own_pending = 0
         self._lock = threading.Condition()
         self._idle = threading.Event()
         self._idle.set()
@@ -430,7 +433,9 @@ class Passthrough:
         At once, so that it is not lost at exit, when the stream is free
         within :data:`OWN_LINE_WAIT_S`; else (its pass-through is writing a
         backlog of guest output to a slow reader) queued behind that output,
-        as :meth:`say` queues: the event loop, which logs, never waits longer.
+        as :meth:`say` queues, and so are the lines after it until it is
+        written: the event loop, which logs, never waits longer, and the lines
+        keep their order.
         """
         through = cls.to(stream)
         if through is None:  # no byte stream beneath (a test's capture)
@@ -439,9 +444,9 @@ class Passthrough:
                     stream.write(line + "\n")
                     stream.flush()
             return
-        if not through._writing.acquire(timeout=OWN_LINE_WAIT_S):
+        if through._own_pending or not through._writing.acquire(timeout=OWN_LINE_WAIT_S):
             if line is not None:
-                through.say(line)
+                through.say(line)  # behind the guest's output, and our lines queued before
             return
         try:
             with contextlib.suppress(OSError, ValueError):
@@ -463,11 +468,14 @@ class Passthrough:
 
     def _enqueue(self, data: bytes, *, own: bool) -> None:
         with self._lock:
-            if self._queued + len(data) > self._backlog:
+            # hostcall's own lines have room past the guests' backlog: a
+            # flood of guest output drops guest output, not them.
+            if self._queued + len(data) > self._backlog * (2 if own else 1):
                 self._dropped += len(data)
                 return
             self._queue.append((data, own))
             self._queued += len(data)
+            self._own_pending += own
             self._idle.clear()
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -489,6 +497,9 @@ class Passthrough:
                 data = escape_controls(data) if own else self._text.feed(data)
             with self._writing:
                 self._write(data, own, dropped)
+                if own:
+                    with self._lock:
+                        self._own_pending -= 1
 
     def _write(self, data: bytes, own: bool, dropped: int) -> None:
         """One write to the stream (under ``_writing``)."""

@@ -307,8 +307,15 @@ def logs(args: argparse.Namespace) -> int:
             out.flush()
             mid_line = not data.endswith(b"\n")
 
-    def show_new() -> None:
+    def under(path: Path) -> None:
+        """What follows is ``path``'s: its header, unless it was the last shown."""
         nonlocal shown
+        if path != shown:
+            write(b"\n" if mid_line else b"")  # a line of one file is not the next's
+            write(f"==> {path.name} <==\n".encode())
+            shown = path
+
+    def show_new() -> None:
         for path in _log_files(folder, args.execution, args.stream):
             try:
                 with open(path, "rb") as f:
@@ -319,15 +326,14 @@ def logs(args: argparse.Namespace) -> int:
             if not data:
                 continue
             offsets[path] = offsets.get(path, 0) + len(data)
-            if path != shown:
-                write(b"\n" if mid_line else b"")  # a line of one file is not the next's
-                write(f"==> {path.name} <==\n".encode())
-                shown = path
+            under(path)
             write(data if texts is None else texts.setdefault(path, TerminalText()).feed(data))
 
     def end() -> int:
-        for text in (texts or {}).values():
-            write(text.end())
+        for path, text in (texts or {}).items():
+            if rest := text.end():  # a file that ended inside a character
+                under(path)
+                write(rest)
         write(b"\n" if mid_line else b"")
         return 0
 

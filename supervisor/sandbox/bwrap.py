@@ -73,7 +73,7 @@ PROBE_TIMEOUT_S: Final = 10.0
 #: A folder with more bound Unix sockets than this is masked whole.
 SOCKETS_PER_FOLDER: Final = 8
 #: What bubblewrap says when a mount's destination is gone (its path in group 1).
-_CANNOT_CREATE: Final = re.compile(r"Can't create file at (/[^:\n]*): ")
+_CANNOT_CREATE: Final = re.compile(r"Can't create file at (/.*?): [^:\n]*$", re.MULTILINE)
 #: The most Unix-socket masks one sandbox gets.
 MAX_SOCKET_MASKS: Final = 256
 NO_SANDBOX_HINT: Final = "run with --no-sandbox to start guests without one (they are then trusted)"

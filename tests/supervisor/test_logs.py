@@ -369,16 +369,22 @@ def test_a_log_line_never_waits_for_a_reader_that_stopped_reading_and_is_not_los
         through = Passthrough.to(stream)
         assert through is not None
         through.write(b"g" * (1 * MiB))  # the pipe holds 64 KiB: its writer blocks
-        said = threading.Thread(target=Passthrough.own_line, args=(stream, "hostcall: WARNING x"))
+
+        def say_two() -> None:
+            Passthrough.own_line(stream, "hostcall: WARNING x")
+            Passthrough.own_line(stream, "hostcall: WARNING y")  # queued behind x
+
+        said = threading.Thread(target=say_two)
         said.start()
         said.join(STEP_TIMEOUT_S)
         returned = not said.is_alive()  # before anyone read the pipe
         deadline = time.monotonic() + STEP_TIMEOUT_S
-        while not got.endswith(b"WARNING x\n") and time.monotonic() < deadline:
+        while not got.endswith(b"WARNING y\n") and time.monotonic() < deadline:
             got += os.read(read_end, 1 * MiB)
     finally:
         os.close(read_end)
         with contextlib.suppress(OSError):
             stream.close()
     assert returned
-    assert got == b"g" * MiB + b"\nhostcall: WARNING x\n"  # after the output, on a row of its own
+    # After the output, on a row of its own, in order.
+    assert got == b"g" * MiB + b"\nhostcall: WARNING x\nhostcall: WARNING y\n"
