@@ -82,6 +82,8 @@ class ReceiptWorker:
         self._process: asyncio.subprocess.Process | None = None
         #: Each file asked for and not yet answered, in the order asked.
         self._asked: dict[Path, asyncio.Future[dict[str, Any]]] = {}
+        #: The file being verified, and its report to come.
+        self._running: tuple[Path, asyncio.Future[dict[str, Any]]] | None = None
         self._wake = asyncio.Event()
         self._serving: asyncio.Task[None] | None = None
         self._closed = False
@@ -95,6 +97,10 @@ class ReceiptWorker:
         """
         if self._closed:
             raise ReceiptWorkerFailed("the supervisor is closing")
+        # The verification of this file under way, if one is: should the one
+        # this request waits for not be done in time, that one's report is
+        # the answer (it read the file as it was a little before).
+        earlier = self._running[1] if self._running and self._running[0] == path else None
         report = self._asked.get(path)
         if report is None:
             report = self._asked[path] = asyncio.get_running_loop().create_future()
@@ -106,6 +112,8 @@ class ReceiptWorker:
             async with asyncio.timeout(ANSWER_WAIT_S):
                 return await asyncio.shield(report)
         except TimeoutError:
+            if earlier is not None and earlier.done() and earlier.exception() is None:
+                return earlier.result()
             raise ReceiptWorkerBusy(
                 f"{path.name} is still being verified; ask again (it goes on meanwhile)"
             ) from None
@@ -133,6 +141,7 @@ class ReceiptWorker:
                 # next verification, which reads what was written since.
                 path = next(iter(self._asked))
                 report = self._asked.pop(path)
+                self._running = (path, report)
                 try:
                     answer = await self._ask({"op": "verify", "path": str(path)})
                 except ReceiptWorkerFailed as exc:
@@ -145,6 +154,8 @@ class ReceiptWorker:
                     report.set_exception(ReceiptWorkerFailed(f"the receipt worker failed: {exc!r}"))
                 else:
                     report.set_result(answer)
+                finally:
+                    self._running = None
 
     async def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         fresh = self._process is None or self._process.returncode is not None

@@ -661,6 +661,46 @@ async def test_requests_for_one_file_share_one_verification(
     assert len(asked) in (1, 2)
 
 
+async def test_a_request_during_a_verification_gets_its_report_if_the_next_is_not_done(
+    tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A request that comes while its file is verified waits for the next
+    # verification (which reads what was written since); when that is not
+    # done in time, the one under way when it came is the answer, not 503.
+    monkeypatch.setattr(receipt_worker, "ANSWER_WAIT_S", 1.0)
+    asked: list[dict[str, Any]] = []
+    second_in = asyncio.Event()
+    exchange = receipt_worker.ReceiptWorker._exchange
+    verify = receipt_worker.ReceiptWorker.verify
+
+    async def held(self: receipt_worker.ReceiptWorker, request: dict[str, Any]) -> bytes:
+        asked.append(request)
+        if len(asked) == 1:
+            await second_in.wait()  # under way when the second request comes
+            return await exchange(self, request)
+        await asyncio.Event().wait()  # the next one is never done
+        return b""
+
+    async def arriving(self: receipt_worker.ReceiptWorker, path: Path) -> dict[str, Any]:
+        if self._running is not None:
+            second_in.set()
+        return await verify(self, path)
+
+    monkeypatch.setattr(receipt_worker.ReceiptWorker, "_exchange", held)
+    monkeypatch.setattr(receipt_worker.ReceiptWorker, "verify", arriving)
+    plan = billing_plan(ledger, max_calls=10)
+    async with Supervisor(tmp_path / "state") as sup:
+        async with driven_guest(sup, plan) as guest:
+            await guest.call("c1", "charge", CHARGE)
+            path = f"/v1/invocations/{guest.execution.invocation_id}/receipts"
+        first = asyncio.ensure_future(admin(sup, "GET", path))
+        await wait_until(lambda: len(asked) == 1, "the first verification under way")
+        second = await admin(sup, "GET", path)
+        first_report = await first
+    assert second == first_report and second["receipts"] == 1  # type: ignore[index]
+    assert len(asked) == 2
+
+
 async def test_a_verification_cut_by_closing_fails_its_waiters_rather_than_say_it_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
