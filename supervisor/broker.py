@@ -343,6 +343,13 @@ class Broker:
             )
         if self.deadline_at is not None and self.clock() >= self.deadline_at:  # step 7
             raise budget_refusal("deadline")
+        # An operator's rejection holds for the call's retries, also on another
+        # supervisor or after a restart (this one's approvals remember it too).
+        rejected = await self.store.rejection(self.invocation_id, call.call_id)
+        if rejected is not None and rejected[0] == call.key:
+            refused = decision_refusal("rejected", rejected[1])
+            assert refused is not None
+            raise refused
         # Durable: if this supervisor dies while the call waits, the next one's
         # store gives it back (the call never ran).
         charge = Charge(tool.name, tool.cost, self.plan.budget, self.deadline_at)
@@ -435,6 +442,13 @@ class Broker:
             )
         finally:
             admission.awaiting_approval = False
+        if ticket.decision == "rejected":
+            try:
+                await self.store.reject(
+                    self.invocation_id, call.call_id, call.key, ticket.approval_id, self.clock()
+                )
+            except StoreUnavailable as exc:  # this supervisor still remembers it
+                logger.error("call %s: its rejection is not stored: %s", call.call_id, exc)
         refusal = decision_refusal(ticket.decision, ticket.approval_id)
         if refusal is not None:
             raise refusal

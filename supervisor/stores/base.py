@@ -260,6 +260,17 @@ class EffectStore(Protocol):
         """The tools revoked for this invocation."""
         ...
 
+    async def reject(
+        self, invocation_id: str, call_id: str, idempotency_key: str, approval_id: str, now: float
+    ) -> None:
+        """Remember that an operator rejected this call (its retries, here or
+        on another supervisor, are refused without asking again)."""
+        ...
+
+    async def rejection(self, invocation_id: str, call_id: str) -> tuple[str, str] | None:
+        """The rejected call's ``(idempotency_key, approval_id)``, if it was."""
+        ...
+
     async def calls(self, invocation_id: str) -> list[EffectRecord]:
         """Every effect record of an invocation, oldest first."""
         ...
@@ -267,7 +278,7 @@ class EffectStore(Protocol):
     async def forget_calls(self, invocation_id: str) -> int:
         """Delete an invocation's effect records that are no longer in flight
         (``committed`` or ``unknown``); how many. Its invocation row (budget,
-        deadline) and revocations stay. Only ``hostcall gc`` calls this, and
+        deadline), revocations and rejections stay. Only ``hostcall gc`` calls this, and
         only for an invocation whose deadline has passed: then no call of it
         can be admitted again, so forgetting what ran cannot run it twice."""
         ...

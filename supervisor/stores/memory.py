@@ -40,6 +40,7 @@ class MemoryEffectStore:
         self._records: dict[tuple[str, str], EffectRecord] = {}
         self._invocations: dict[str, InvocationRecord] = {}
         self._revoked: dict[str, set[str]] = {}
+        self._rejected: dict[tuple[str, str], tuple[str, str]] = {}
         #: Reservations not yet taken nor given back: id -> (invocation, tool, cost).
         self._reservations: dict[str, tuple[str, str, float]] = {}
 
@@ -188,6 +189,16 @@ class MemoryEffectStore:
     async def revoked(self, invocation_id: str) -> frozenset[str]:
         with self._lock:
             return frozenset(self._revoked.get(invocation_id, ()))
+
+    async def reject(
+        self, invocation_id: str, call_id: str, idempotency_key: str, approval_id: str, now: float
+    ) -> None:
+        with self._lock:
+            self._rejected.setdefault((invocation_id, call_id), (idempotency_key, approval_id))
+
+    async def rejection(self, invocation_id: str, call_id: str) -> tuple[str, str] | None:
+        with self._lock:
+            return self._rejected.get((invocation_id, call_id))
 
     async def forget_calls(self, invocation_id: str) -> int:
         with self._lock:

@@ -75,6 +75,8 @@ from supervisor.stores.postgres_sql import (
     OPEN_INVOCATION,
     RECOVER,
     RECOVER_RESERVATIONS,
+    REJECT,
+    REJECTION,
     RELEASE,
     RENEW_LEASE,
     RESERVE,
@@ -773,6 +775,19 @@ class PostgresEffectStore:
                 invocation_id,
             )
         return frozenset(row[0] for row in rows)
+
+    async def reject(
+        self, invocation_id: str, call_id: str, idempotency_key: str, approval_id: str, now: float
+    ) -> None:
+        async with self._conn() as conn:
+            await conn.execute(
+                self._q(REJECT), invocation_id, call_id, idempotency_key, approval_id, float(now)
+            )
+
+    async def rejection(self, invocation_id: str, call_id: str) -> tuple[str, str] | None:
+        async with self._conn() as conn:
+            row = await conn.fetchrow(self._q(REJECTION), invocation_id, call_id)
+        return None if row is None else (row[0], row[1])
 
     async def forget_calls(self, invocation_id: str) -> int:
         async with self._conn() as conn:

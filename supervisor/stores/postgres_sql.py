@@ -39,6 +39,8 @@ __all__ = [
     "OPEN_INVOCATION",
     "RECOVER",
     "RECOVER_RESERVATIONS",
+    "REJECT",
+    "REJECTION",
     "RELEASE",
     "RENEW_LEASE",
     "RESERVE",
@@ -115,6 +117,18 @@ MIGRATIONS: Final = (
         owner_instance text NOT NULL
     );
     CREATE INDEX reservations_by_owner ON {s}.reservations (owner_instance);
+    """,
+    # 3: calls an operator rejected, refused on their retries without asking
+    # again, on any replica and after a restart.
+    """
+    CREATE TABLE {s}.rejections (
+        invocation_id text NOT NULL,
+        call_id text NOT NULL,
+        idempotency_key text NOT NULL,
+        approval_id text NOT NULL,
+        rejected_at double precision NOT NULL,
+        PRIMARY KEY (invocation_id, call_id)
+    );
     """,
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -256,6 +270,14 @@ REVOKE: Final = (
     " ON CONFLICT DO NOTHING"
 )
 REVOKED: Final = "SELECT tool FROM {s}.revocations WHERE invocation_id = $1"
+REJECT: Final = (
+    "INSERT INTO {s}.rejections (invocation_id, call_id, idempotency_key, approval_id,"
+    " rejected_at) VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING"
+)
+REJECTION: Final = (
+    "SELECT idempotency_key, approval_id FROM {s}.rejections"
+    " WHERE invocation_id = $1 AND call_id = $2"
+)
 CALLS: Final = (
     f"SELECT {EFFECT_COLUMNS} FROM {{s}}.effects WHERE invocation_id = $1"
     " ORDER BY created_at, call_id"

@@ -674,6 +674,16 @@ class SQLiteEffectStore:
     async def revoked(self, invocation_id: str) -> frozenset[str]:
         return await self._run(lambda conn: sql.revoked(conn, invocation_id))
 
+    async def reject(
+        self, invocation_id: str, call_id: str, idempotency_key: str, approval_id: str, now: float
+    ) -> None:
+        await self._run(
+            lambda conn: sql.reject(conn, invocation_id, call_id, idempotency_key, approval_id, now)
+        )
+
+    async def rejection(self, invocation_id: str, call_id: str) -> tuple[str, str] | None:
+        return await self._run(lambda conn: sql.rejection(conn, invocation_id, call_id))
+
     async def calls(self, invocation_id: str) -> list[EffectRecord]:
         return await self._run(lambda conn: sql.calls(conn, invocation_id))
 

@@ -46,6 +46,8 @@ __all__ = [
     "read_only",
     "read_snapshot",
     "refund",
+    "reject",
+    "rejection",
     "release",
     "reserve",
     "return_reservations",
@@ -102,6 +104,14 @@ CREATE TABLE IF NOT EXISTS revocations (
     tool TEXT NOT NULL,
     revoked_at REAL NOT NULL,
     PRIMARY KEY (invocation_id, tool)
+);
+CREATE TABLE IF NOT EXISTS rejections (
+    invocation_id TEXT NOT NULL,
+    call_id TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    approval_id TEXT NOT NULL,
+    rejected_at REAL NOT NULL,
+    PRIMARY KEY (invocation_id, call_id)
 );
 """
     + JOURNAL_SCHEMA
@@ -380,6 +390,30 @@ def revoke(conn: sqlite3.Connection, invocation_id: str, tool: str, now: float) 
 def revoked(conn: sqlite3.Connection, invocation_id: str) -> frozenset[str]:
     rows = conn.execute("SELECT tool FROM revocations WHERE invocation_id = ?", (invocation_id,))
     return frozenset(tool for (tool,) in rows.fetchall())
+
+
+def reject(
+    conn: sqlite3.Connection,
+    invocation_id: str,
+    call_id: str,
+    idempotency_key: str,
+    approval_id: str,
+    now: float,
+) -> None:
+    conn.execute(
+        "INSERT INTO rejections (invocation_id, call_id, idempotency_key, approval_id,"
+        " rejected_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+        (invocation_id, call_id, idempotency_key, approval_id, now),
+    )
+
+
+def rejection(conn: sqlite3.Connection, invocation_id: str, call_id: str) -> tuple[str, str] | None:
+    row = conn.execute(
+        "SELECT idempotency_key, approval_id FROM rejections"
+        " WHERE invocation_id = ? AND call_id = ?",
+        (invocation_id, call_id),
+    ).fetchone()
+    return None if row is None else (row[0], row[1])
 
 
 def calls(conn: sqlite3.Connection, invocation_id: str) -> list[EffectRecord]:

@@ -29,7 +29,7 @@ from supervisor.approvals import (
 )
 from supervisor.broker import Broker
 from supervisor.errors import Refusal, StoreUnavailable
-from supervisor.stores import EffectStatus, MemoryEffectStore
+from supervisor.stores import EffectStatus, MemoryEffectStore, SQLiteEffectStore
 from tests.harness import STEP_TIMEOUT_S, Ledger, wait_until
 
 INV, EXE = "inv_a", "exe_a"
@@ -367,6 +367,55 @@ async def test_a_retry_of_a_rejected_call_is_rejected_without_asking_again(rig: 
     assert [p.id for p in rig.approvals.list()] == [proposal_id, other_id]
     assert rig.ledger.runs == {}
     assert invocation is not None and invocation.used.calls == 0  # nothing reserved stays
+
+
+async def test_a_rejection_holds_for_retries_after_a_restart_without_asking_again(
+    tmp_path: Path, ledger: Ledger
+) -> None:
+    """A rejection outlives the supervisor that took it: the retry of a
+    rejected call, by the same invocation's next attempt after a restart (or
+    on another replica), is refused at once, with no new proposal."""
+    plan = approval_plan(ledger)
+    args = {"account": "a", "cents": 5}
+    replies: list[CallReply] = []
+    listed: list[list[str]] = []
+    for attempt in range(2):
+        store = SQLiteEffectStore(tmp_path / "effects.db")
+        await store.open()
+        try:
+            await store.open_invocation(INV, plan.plan_hash, None, 1.0)
+            approvals = ApprovalController()
+            broker = Broker(
+                plan=plan,
+                invocation_id=INV,
+                execution_id=f"exe_{attempt}",
+                store=store,
+                approvals=approvals,
+                receipts=store.receipts(tmp_path / "receipts.jsonl", None),
+                dispatch_blocker=lambda: None,
+            )
+            call = asyncio.create_task(broker.call("c1", "pay", args))
+            if attempt == 0:
+                await wait_until(lambda: approvals.waiting() == 1, "the proposal")  # noqa: B023
+                approvals.reject(approvals.list("waiting")[0].id, reason="no")
+            replies.append(await reply_of(call))
+            other = asyncio.create_task(broker.call(f"n{attempt}", "pay", args))  # a new call
+            await wait_until(lambda: approvals.waiting() == 1, "a new call's proposal")  # noqa: B023
+            approvals.reject(approvals.list("waiting")[0].id)
+            await reply_of(other)
+            listed.append([p.call_id for p in approvals.list()])
+        finally:
+            await store.close()
+
+    first, retried = replies
+    assert first.error is not None and retried.error is not None
+    assert (first.error["code"], retried.error["code"]) == ("approval_rejected",) * 2
+    assert listed == [["c1", "n0"], ["n1"]]  # after the restart: nobody asked about c1
+    receipts = [json.loads(line) for line in (tmp_path / "receipts.jsonl").read_text().splitlines()]
+    c1 = [r for r in receipts if r["call_id"] == "c1"]
+    assert [r["error_code"] for r in c1] == ["approval_rejected"] * 2
+    assert c1[0]["approval_id"] == c1[1]["approval_id"]  # the rejection it was
+    assert ledger.runs == {}
 
 
 async def test_a_call_that_runs_again_after_unknown_needs_a_fresh_approval(rig: Rig) -> None:

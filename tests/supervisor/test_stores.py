@@ -1292,3 +1292,17 @@ async def test_forget_calls_deletes_settled_records_and_keeps_in_flight_ones_and
     invocation = await store.get_invocation(INV)
     assert invocation is not None and invocation.used == used_before
     assert await store.revoked(INV) == frozenset({"charge"})
+
+
+async def test_a_rejection_is_kept_across_a_restart_and_the_first_one_holds(
+    backend: Backend, store: EffectStore
+) -> None:
+    assert await store.rejection(INV, "c1") is None
+    await store.reject(INV, "c1", "key-1", "apr_1", 1.0)
+    await store.reject(INV, "c1", "key-2", "apr_2", 2.0)  # a later one changes nothing
+    await store.reject(INV, "c2", "key-3", "apr_3", 3.0)
+    restarted, _ = await backend.restart(store)
+
+    assert await restarted.rejection(INV, "c1") == ("key-1", "apr_1")
+    assert await restarted.rejection(INV, "c2") == ("key-3", "apr_3")
+    assert await restarted.rejection("inv_other", "c1") is None
