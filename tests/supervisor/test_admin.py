@@ -7,7 +7,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -601,6 +601,50 @@ async def test_receipts_are_verified_by_a_lower_priority_worker_that_ends_with_t
     assert _receipt_workers() == []
 
 
+async def _receipts_of_one_call(sup: Supervisor, ledger: Ledger) -> str:
+    """The receipts endpoint of a new invocation that made one call."""
+    async with driven_guest(sup, billing_plan(ledger, max_calls=10)) as guest:
+        await guest.call("c1", "charge", CHARGE)
+        return f"/v1/invocations/{guest.execution.invocation_id}/receipts"
+
+
+class _HeldWorker:
+    """The receipt worker's exchanges with its process, recorded; the first
+    held until ``release(self, running)`` is true of a request as it comes
+    (``running``: a verification is under way), every later one never
+    answered with ``hang_after``."""
+
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        release: Callable[[_HeldWorker, bool], bool],
+        *,
+        hang_after: bool = False,
+    ) -> None:
+        self.asked: list[dict[str, Any]] = []
+        self.arrived = 0
+        go = asyncio.Event()
+        exchange = receipt_worker.ReceiptWorker._exchange
+        verify = receipt_worker.ReceiptWorker.verify
+
+        async def held(worker: receipt_worker.ReceiptWorker, request: dict[str, Any]) -> bytes:
+            self.asked.append(request)
+            if len(self.asked) == 1:
+                await go.wait()
+            elif hang_after:
+                await asyncio.Event().wait()
+            return await exchange(worker, request)
+
+        async def arriving(worker: receipt_worker.ReceiptWorker, path: Path) -> dict[str, Any]:
+            self.arrived += 1
+            if release(self, worker._running is not None):
+                go.set()
+            return await verify(worker, path)
+
+        monkeypatch.setattr(receipt_worker.ReceiptWorker, "_exchange", held)
+        monkeypatch.setattr(receipt_worker.ReceiptWorker, "verify", arriving)
+
+
 async def test_a_file_slower_to_verify_than_a_request_waits_is_503_and_still_verified(
     tmp_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -608,11 +652,8 @@ async def test_a_file_slower_to_verify_than_a_request_waits_is_503_and_still_ver
     # killed with the worker (and its cache) at every try: never verified.
     # Now the request is told to ask again, and the worker goes on.
     monkeypatch.setattr(receipt_worker, "ANSWER_WAIT_S", 0.001)  # under the worker's start
-    plan = billing_plan(ledger, max_calls=10)
     async with Supervisor(tmp_path / "state") as sup:
-        async with driven_guest(sup, plan) as guest:
-            await guest.call("c1", "charge", CHARGE)
-            path = f"/v1/invocations/{guest.execution.invocation_id}/receipts"
+        path = await _receipts_of_one_call(sup, ledger)
         with pytest.raises(AdminError) as busy:
             await admin(sup, "GET", path)
         [worker] = _receipt_workers()
@@ -631,34 +672,12 @@ async def test_requests_for_one_file_share_one_verification(
     # Six requests at once: those in before the first verification started
     # share it (held until all six are in), those after share the next one,
     # which reads what was written since the first started.
-    asked: list[dict[str, Any]] = []
-    arrived: list[Path] = []
-    all_in = asyncio.Event()
-    exchange = receipt_worker.ReceiptWorker._exchange
-    verify = receipt_worker.ReceiptWorker.verify
-
-    async def counted(self: receipt_worker.ReceiptWorker, request: dict[str, Any]) -> bytes:
-        asked.append(request)
-        if len(asked) == 1:
-            await all_in.wait()
-        return await exchange(self, request)
-
-    async def arriving(self: receipt_worker.ReceiptWorker, path: Path) -> dict[str, Any]:
-        arrived.append(path)
-        if len(arrived) == 6:
-            all_in.set()
-        return await verify(self, path)
-
-    monkeypatch.setattr(receipt_worker.ReceiptWorker, "_exchange", counted)
-    monkeypatch.setattr(receipt_worker.ReceiptWorker, "verify", arriving)
-    plan = billing_plan(ledger, max_calls=10)
+    worker = _HeldWorker(monkeypatch, lambda held, running: held.arrived == 6)
     async with Supervisor(tmp_path / "state") as sup:
-        async with driven_guest(sup, plan) as guest:
-            await guest.call("c1", "charge", CHARGE)
-            path = f"/v1/invocations/{guest.execution.invocation_id}/receipts"
+        path = await _receipts_of_one_call(sup, ledger)
         reports = await asyncio.gather(*(admin(sup, "GET", path) for _ in range(6)))
     assert all(r == reports[0] for r in reports) and reports[0]["receipts"] == 1  # type: ignore[index]
-    assert len(asked) in (1, 2)
+    assert len(worker.asked) in (1, 2)
 
 
 async def test_a_request_during_a_verification_gets_its_report_if_the_next_is_not_done(
@@ -668,37 +687,17 @@ async def test_a_request_during_a_verification_gets_its_report_if_the_next_is_no
     # verification (which reads what was written since); when that is not
     # done in time, the one under way when it came is the answer, not 503.
     monkeypatch.setattr(receipt_worker, "ANSWER_WAIT_S", 1.0)
-    asked: list[dict[str, Any]] = []
-    second_in = asyncio.Event()
-    exchange = receipt_worker.ReceiptWorker._exchange
-    verify = receipt_worker.ReceiptWorker.verify
-
-    async def held(self: receipt_worker.ReceiptWorker, request: dict[str, Any]) -> bytes:
-        asked.append(request)
-        if len(asked) == 1:
-            await second_in.wait()  # under way when the second request comes
-            return await exchange(self, request)
-        await asyncio.Event().wait()  # the next one is never done
-        return b""
-
-    async def arriving(self: receipt_worker.ReceiptWorker, path: Path) -> dict[str, Any]:
-        if self._running is not None:
-            second_in.set()
-        return await verify(self, path)
-
-    monkeypatch.setattr(receipt_worker.ReceiptWorker, "_exchange", held)
-    monkeypatch.setattr(receipt_worker.ReceiptWorker, "verify", arriving)
-    plan = billing_plan(ledger, max_calls=10)
+    # The first verification is under way until the second request comes; the
+    # next one is never done.
+    worker = _HeldWorker(monkeypatch, lambda held, running: running, hang_after=True)
     async with Supervisor(tmp_path / "state") as sup:
-        async with driven_guest(sup, plan) as guest:
-            await guest.call("c1", "charge", CHARGE)
-            path = f"/v1/invocations/{guest.execution.invocation_id}/receipts"
+        path = await _receipts_of_one_call(sup, ledger)
         first = asyncio.ensure_future(admin(sup, "GET", path))
-        await wait_until(lambda: len(asked) == 1, "the first verification under way")
+        await wait_until(lambda: len(worker.asked) == 1, "the first verification under way")
         second = await admin(sup, "GET", path)
         first_report = await first
     assert second == first_report and second["receipts"] == 1  # type: ignore[index]
-    assert len(asked) == 2
+    assert len(worker.asked) == 2
 
 
 async def test_a_verification_cut_by_closing_fails_its_waiters_rather_than_say_it_goes_on(
