@@ -257,7 +257,13 @@ async def launch_sandboxed(
         if join is not None:
             # In a thread: joining a cgroup v1 waits for the kernel (an RCU grace
             # period, ~10 ms) while bubblewrap sets up its mounts meanwhile.
-            await asyncio.to_thread(join, sandbox.init_pid)
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await asyncio.to_thread(join, sandbox.init_pid)
+            except TimeoutError:
+                raise SandboxError(
+                    f"its cgroup was not joined within {SANDBOX_START_TIMEOUT_S:g} s"
+                ) from None
         if ended is not None and ended.is_set():
             raise StartAbandoned
         # The fault harness's crash: once bubblewrap's monitor has let pid 1 go

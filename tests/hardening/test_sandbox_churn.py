@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ import pytest
 from supervisor import Supervisor
 from supervisor.process import wait_exited
 from supervisor.sandbox import SandboxError, SandboxPolicy
+from supervisor.sandbox import start as sandbox_start
 from supervisor.sandbox.bwrap import SandboxHost
 from supervisor.sandbox.start import launch_sandboxed
 from tests.hardening.attack_support import stage_folder
@@ -256,3 +258,38 @@ def test_a_masked_socket_bound_again_at_its_path_counts_as_vanished(
             found = (launch.vanished_socket_folders(), launch.vanished_socket_folders(error))
     assert f"Can't create file at {churn_folder}/daemon.sock" in error  # bubblewrap met it gone
     assert found == (frozenset(), frozenset({churn_folder}))  # the path is back: told by the error
+
+
+async def test_a_cgroup_join_that_never_ends_fails_the_start_and_runs_nothing(
+    tmp_path: Path, churn_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start's one deadline bounds joining the cgroup too (a thread)."""
+    monkeypatch.setattr(sandbox_start, "SANDBOX_START_TIMEOUT_S", 1.0)
+    marker = churn_folder / "ran"
+    os.chmod(churn_folder, 0o777)
+    released = threading.Event()
+    host = SandboxHost.probe()
+    with socket.socket(socket.AF_UNIX) as channel:
+        channel.bind(str(tmp_path / "channel.sock"))
+        launch = host.build(
+            SandboxPolicy(read_write=(churn_folder,)),
+            argv=["/bin/sh", "-c", f"echo ran > {marker}"],
+            env={"PATH": os.defpath},
+            cwd=Path("/"),
+            state_dir=tmp_path / "state",
+            socket=tmp_path / "channel.sock",
+        )
+        try:
+            async with asyncio.timeout(STEP_TIMEOUT_S):
+                with pytest.raises(SandboxError) as failed:
+                    await launch_sandboxed(
+                        launch,
+                        credential="x" * 43,
+                        stderr=subprocess.PIPE,
+                        join=lambda pid: released.wait(STEP_TIMEOUT_S) and None,
+                    )
+        finally:
+            released.set()
+            launch.close_fds()
+    assert "its cgroup was not joined within 1 s" in str(failed.value)
+    assert not marker.exists()
