@@ -459,10 +459,7 @@ class Passthrough:
                     data = escape_controls(data)
                 through._write(data, own=True, dropped=0)  # under the status line too
             elif through._ended_mid_line:
-                with contextlib.suppress(OSError, ValueError):
-                    stream.write("\n")
-                    stream.flush()
-                through._ended_mid_line = False
+                through._write(b"", own=True, dropped=0)  # the newline that ends it
         finally:
             through._writing.release()
 

@@ -84,7 +84,6 @@ class ReceiptWorker:
         self._asked: dict[Path, asyncio.Future[dict[str, Any]]] = {}
         #: The file being verified, and its report to come.
         self._running: tuple[Path, asyncio.Future[dict[str, Any]]] | None = None
-        self._wake = asyncio.Event()
         self._serving: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -105,7 +104,6 @@ class ReceiptWorker:
         if report is None:
             report = self._asked[path] = asyncio.get_running_loop().create_future()
             report.add_done_callback(_retrieved)  # nobody may wait for it any more
-            self._wake.set()
             if self._serving is None or self._serving.done():
                 self._serving = asyncio.create_task(self._serve())
         try:
@@ -132,30 +130,28 @@ class ReceiptWorker:
         await self._stop()
 
     async def _serve(self) -> None:
-        """Verify what is asked, one file at a time, for as long as the worker lives."""
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._asked:
-                # Taken out as it starts: a request from now on waits for the
-                # next verification, which reads what was written since.
-                path = next(iter(self._asked))
-                report = self._asked.pop(path)
-                self._running = (path, report)
-                try:
-                    answer = await self._ask({"op": "verify", "path": str(path)})
-                except ReceiptWorkerFailed as exc:
-                    report.set_exception(exc)
-                except asyncio.CancelledError:  # closing
-                    report.set_exception(ReceiptWorkerFailed("the supervisor is closing"))
-                    raise
-                except Exception as exc:  # a bug: fail this file, serve the next
-                    logger.exception("the receipt worker failed on %s", path)
-                    report.set_exception(ReceiptWorkerFailed(f"the receipt worker failed: {exc!r}"))
-                else:
-                    report.set_result(answer)
-                finally:
-                    self._running = None
+        """Verify what is asked, one file at a time, until nothing is (the
+        next request starts this again)."""
+        while self._asked:
+            # Taken out as it starts: a request from now on waits for the
+            # next verification, which reads what was written since.
+            path = next(iter(self._asked))
+            report = self._asked.pop(path)
+            self._running = (path, report)
+            try:
+                answer = await self._ask({"op": "verify", "path": str(path)})
+            except ReceiptWorkerFailed as exc:
+                report.set_exception(exc)
+            except asyncio.CancelledError:  # closing
+                report.set_exception(ReceiptWorkerFailed("the supervisor is closing"))
+                raise
+            except Exception as exc:  # a bug: fail this file, serve the next
+                logger.exception("the receipt worker failed on %s", path)
+                report.set_exception(ReceiptWorkerFailed(f"the receipt worker failed: {exc!r}"))
+            else:
+                report.set_result(answer)
+            finally:
+                self._running = None
 
     async def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         fresh = self._process is None or self._process.returncode is not None

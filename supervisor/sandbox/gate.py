@@ -184,11 +184,8 @@ def gate_pipe(group: int | None) -> tuple[int, int, int]:
     (0440): the gate may open it again through ``/proc``, and no process of
     the guest's uid — the guest's own, or any other on the host — may open it
     for writing (nor change its mode) to give a go-ahead of its own."""
-    block_r, block_w = os.pipe()
+    block_r, block_w = _pipe_of(group, 0o440)
     try:
-        if group is not None:
-            os.fchown(block_r, -1, group)
-            os.fchmod(block_r, 0o440)
         gate_r = os.dup(block_r)
     except BaseException:
         os.close(block_r)
@@ -208,11 +205,18 @@ def reached_pipe(group: int | None) -> tuple[int, int]:
     through ``/proc``, and no other process of the guest's uid may open it
     to read (and take the gate's byte before the supervisor does).
     """
+    return _pipe_of(group, 0o220)
+
+
+def _pipe_of(group: int | None, mode: int) -> tuple[int, int]:
+    """A pipe ``(read, write)``; given ``group``, the supervisor's with that
+    group and ``mode`` (what a process of the group may open it again for
+    through ``/proc``)."""
     read, write = os.pipe()
     try:
         if group is not None:
             os.fchown(read, -1, group)
-            os.fchmod(read, 0o220)
+            os.fchmod(read, mode)
     except BaseException:
         os.close(read)
         os.close(write)

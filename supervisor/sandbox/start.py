@@ -251,6 +251,10 @@ async def launch_sandboxed(
     try:
         # One bound for the whole start: the report, the join, the gate.
         deadline = time.monotonic() + SANDBOX_START_TIMEOUT_S
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         sandbox = _sandbox_from(await _read_to_eof(info_r, SANDBOX_START_TIMEOUT_S))
         if ended is not None and ended.is_set():
             raise StartAbandoned
@@ -258,7 +262,7 @@ async def launch_sandboxed(
             # In a thread: joining a cgroup v1 waits for the kernel (an RCU grace
             # period, ~10 ms) while bubblewrap sets up its mounts meanwhile.
             try:
-                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                async with asyncio.timeout(left()):
                     await asyncio.to_thread(join, sandbox.init_pid)
             except TimeoutError:
                 raise SandboxError(
@@ -280,7 +284,7 @@ async def launch_sandboxed(
             raise SandboxError(
                 "bubblewrap ended while it built the sandbox (see the guest's stderr)"
             ) from None
-        await _gate_reached(reached_r, max(0.0, deadline - time.monotonic()))
+        await _gate_reached(reached_r, left())
         if ended is not None and ended.is_set():
             raise StartAbandoned
         with contextlib.suppress(BrokenPipeError):  # the gate died since: it ran nothing
