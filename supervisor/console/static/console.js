@@ -384,8 +384,8 @@ function proposalCard(p, invocation) {
 
 // The overview lists arguments over 16 KiB as the start of their JSON text
 // (args null, args_preview): a guest's megabyte calls cannot make the list too
-// long to load. The whole comes from the proposal itself, on a click.
-// A waiting call's are loaded at once (it is decided on them), an ended one's on a click.
+// long to load. The whole comes from the proposal itself: a waiting call's at
+// once (it is decided on them), an ended one's on a click.
 function previewed(p) { return p.args === null && typeof p.args_preview === "string"; }
 const loadingArgs = new Set();
 async function loadWholeArgs(id) {
